@@ -1,0 +1,39 @@
+"""datacache: a node-local RAM+SSD cache and a clairvoyant prefetcher that keep GPUs fed.
+
+Public API (guarded by ``tests/test_api.py``)::
+
+    write_dataset, DatasetWriter            write a dataset to any fsspec URL
+    Manifest, ShardInfo, load_manifest      the dataset manifest
+    open_store, Store                       storage access (the only fsspec user)
+    NodeCache, CacheHandle                  the node cache
+    LRUPolicy, ClairvoyantPolicy, Schedule  eviction policies
+    StreamingDataset                        the drop-in IterableDataset
+    CacheConfig, PrefetchConfig, TransferConfig, RetryConfig, parse_size
+    DatacacheError and subclasses           see datacache.errors
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .cache import CacheHandle, NodeCache
+from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
+from .dataset import StreamingDataset
+from .errors import (CacheError, DatacacheError, IntegrityError, ManifestError, NotFoundError,
+                     PermissionDeniedError, ReaderError, StorageError, TransientStorageError)
+from .eviction import ClairvoyantPolicy, LRUPolicy, Schedule
+from .manifest import Manifest, ShardInfo, load_manifest
+from .storage import Store, open_store
+from .writer import DatasetWriter, write_dataset
+
+__all__ = [
+    "__version__",
+    "write_dataset", "DatasetWriter",
+    "Manifest", "ShardInfo", "load_manifest",
+    "open_store", "Store",
+    "NodeCache", "CacheHandle",
+    "LRUPolicy", "ClairvoyantPolicy", "Schedule",
+    "StreamingDataset",
+    "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size",
+    "DatacacheError", "StorageError", "TransientStorageError", "NotFoundError", "PermissionDeniedError",
+    "ManifestError", "IntegrityError", "ReaderError", "CacheError",
+]

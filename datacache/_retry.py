@@ -1,0 +1,236 @@
+"""Bounded retries and error classification for :mod:`datacache.storage` (no fsspec import here).
+
+Backend exceptions are classified by walking their ``__cause__``/``__context__`` chain and looking
+at what they carry, never by importing the backend: a botocore-style ``.response`` dict (S3 error
+code and HTTP status), well-known class names from aiohttp/botocore/urllib3/fsspec anywhere in the
+MRO, then the builtin ``OSError`` family::
+
+    transient   5xx, 429/408, SlowDown/Throttling/RequestTimeout/InternalError, connection reset/
+                aborted/refused/closed, timeouts, incomplete reads and payload errors, short reads
+    not_found   404, NoSuchKey, NoSuchBucket, FileNotFoundError
+    permission  403, AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch, expired tokens,
+                PermissionError
+    permanent   every other error (other 4xx, local OSErrors, bugs): not retried
+
+Transient errors are retried with exponential backoff and full jitter
+(``sleep = uniform(0, min(max_delay, base_delay * 2**(attempt-1)))``), bounded by both
+``RetryConfig.attempts`` and ``RetryConfig.deadline``. Everything here is stateless or guarded by
+the caller and therefore thread-safe.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Callable, Iterator, Literal, TypeVar
+
+from .config import RetryConfig
+from .errors import (
+    DatacacheError,
+    NotFoundError,
+    PermissionDeniedError,
+    StorageError,
+    TransientStorageError,
+)
+
+__all__ = ["Kind", "ShortReadError", "classify", "backoff_delay", "retry_call", "translate"]
+
+T = TypeVar("T")
+Kind = Literal["transient", "not_found", "permission", "permanent"]
+
+NOT_FOUND_HINT = "check the bucket name and that the prefix holds a datacache dataset (manifest.json)"
+PERMISSION_HINT = (
+    "check credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or storage_options key/secret "
+    "(and token), and that they may read this bucket"
+)
+PERMANENT_HINT = "this error is not retried; check the URL, the object name and storage_options"
+TRANSIENT_HINT = (
+    "the store is unavailable, throttling or the network is failing; retry later, or raise "
+    "RetryConfig.attempts/deadline"
+)
+
+_NOT_FOUND_CODES = {"404", "NoSuchKey", "NoSuchBucket", "NotFound", "NoSuchVersion", "NoSuchUpload"}
+_PERMISSION_CODES = {
+    "403", "AccessDenied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+    "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem", "InvalidClientTokenId",
+    "UnrecognizedClientException", "AuthorizationHeaderMalformed", "MissingSecurityHeader",
+}
+_TRANSIENT_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+    "TooManyRequests", "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded",
+    "ProvisionedThroughputExceededException", "RequestTimeout", "RequestTimeoutException",
+    "InternalError", "ServiceUnavailable", "OperationAborted", "PriorRequestNotComplete",
+    "XAmzContentSHA256Mismatch", "IncompleteBody", "500", "502", "503", "504", "408", "429",
+}
+# Class names (anywhere in an exception's MRO) that mean "the transfer failed, try again".
+_TRANSIENT_NAMES = {
+    # aiohttp
+    "ClientPayloadError", "ServerDisconnectedError", "ClientConnectionError", "ClientOSError",
+    "ServerTimeoutError", "ClientConnectorError", "ConnectionTimeoutError", "SocketTimeoutError",
+    "ContentLengthError", "TransferEncodingError",
+    # botocore / aiobotocore (HTTPClientError is the base of the connection/timeout errors)
+    "HTTPClientError", "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+    "ConnectTimeoutError", "IncompleteReadError", "ResponseStreamingError", "ResponseParserError",
+    # urllib3 / http.client / fsspec
+    "ProtocolError", "IncompleteRead", "RemoteDisconnected", "FSTimeoutError",
+    "ShortReadError",
+}
+
+
+class ShortReadError(OSError):
+    """A GET returned fewer bytes than the range asked for (transient: the transfer was cut)."""
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen and len(seen) < 16:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+def _response_of(exc: BaseException) -> tuple[str, int] | None:
+    resp = getattr(exc, "response", None)
+    if not isinstance(resp, dict):
+        return None
+    code = str((resp.get("Error") or {}).get("Code") or "")
+    status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0
+    try:
+        status = int(status)
+    except (TypeError, ValueError):
+        status = 0
+    if not code and not status:
+        return None
+    return code, status
+
+
+def _classify_one(exc: BaseException) -> Kind | None:
+    resp = _response_of(exc)
+    if resp is not None:
+        code, status = resp
+        if code in _NOT_FOUND_CODES or status == 404:
+            return "not_found"
+        if code in _PERMISSION_CODES or status == 403:
+            return "permission"
+        if code in _TRANSIENT_CODES or status >= 500 or status in (408, 429):
+            return "transient"
+        return "permanent"
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & _TRANSIENT_NAMES:
+        return "transient"
+    if isinstance(exc, FileNotFoundError):
+        return "not_found"
+    if isinstance(exc, PermissionError):
+        return "permission"
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return "transient"
+    return None
+
+
+def classify(exc: BaseException) -> Kind:
+    """Which kind of failure ``exc`` (or an exception it chains to) is."""
+    for e in _chain(exc):
+        kind = _classify_one(e)
+        if kind is not None:
+            return kind
+    return "permanent"
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The S3 error code carried anywhere in the chain (``"NoSuchBucket"``...), if any."""
+    for e in _chain(exc):
+        resp = _response_of(e)
+        if resp is not None and resp[0]:
+            return resp[0]
+    return None
+
+
+def describe(exc: BaseException, redact: Callable[[str], str] = lambda s: s) -> str:
+    """``"ClassName: message"`` of the most informative exception in the chain (the one carrying an
+    S3 response if there is one), shortened and passed through ``redact``."""
+    best = exc
+    for e in _chain(exc):
+        if _response_of(e) is not None:
+            best = e
+            break
+    text = str(best).strip() or repr(best)
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return redact(f"{type(best).__name__}: {text}")
+
+
+def translate(exc: BaseException, kind: Kind | Literal["exhausted"], *, url: str, op: str,
+              attempts: int, elapsed: float, redact: Callable[[str], str]) -> DatacacheError:
+    """A datacache error for a backend exception: names the URL, the cause and what to do."""
+    cause = describe(exc, redact)
+    if kind == "not_found":
+        code = error_code(exc)
+        what = "the bucket does not exist" if code == "NoSuchBucket" else "no such object or prefix"
+        return NotFoundError(f"{op}: {what} ({cause})", url=url, hint=NOT_FOUND_HINT)
+    if kind == "permission":
+        return PermissionDeniedError(f"{op}: access denied ({cause})", url=url, hint=PERMISSION_HINT)
+    if kind == "exhausted" or kind == "transient":
+        return TransientStorageError(
+            f"{op}: still failing after {attempts} attempt{'s' if attempts != 1 else ''} over "
+            f"{elapsed:.1f}s ({cause})", url=url, hint=TRANSIENT_HINT,
+        )
+    return StorageError(f"{op} failed ({cause})", url=url, hint=PERMANENT_HINT)
+
+
+_rng = random.Random()
+_rng_lock = threading.Lock()
+
+
+def backoff_delay(attempt: int, policy: RetryConfig) -> float:
+    """Full-jitter exponential backoff before retry number ``attempt`` (1-based)."""
+    cap = min(policy.max_delay, policy.base_delay * (2 ** min(attempt - 1, 30)))
+    with _rng_lock:
+        return _rng.uniform(0.0, max(0.0, cap))
+
+
+def retry_call(
+    fn: Callable[[], T],
+    policy: RetryConfig,
+    *,
+    url: str,
+    op: str,
+    redact: Callable[[str], str],
+    started: float | None = None,
+    on_attempt: Callable[[], None] | None = None,
+    on_error: Callable[[str, bool], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Call ``fn`` until it succeeds, a non-transient error occurs, or the policy is exhausted.
+
+    ``started`` (a ``time.monotonic()`` value) lets several calls share one operation's deadline.
+    ``on_attempt()`` runs before each attempt, ``on_error(error_class_name, will_retry)`` after each
+    failure. ``DatacacheError`` raised by ``fn`` passes through untouched. Thread-safe.
+    """
+    t0 = time.monotonic() if started is None else started
+    attempts = max(1, policy.attempts)
+    attempt = 0
+    while True:
+        attempt += 1
+        if on_attempt is not None:
+            on_attempt()
+        try:
+            return fn()
+        except DatacacheError as exc:
+            if on_error is not None:
+                on_error(type(exc).__name__, False)
+            raise
+        except Exception as exc:
+            kind = classify(exc)
+            elapsed = time.monotonic() - t0
+            delay = backoff_delay(attempt, policy) if kind == "transient" else 0.0
+            retry = (kind == "transient" and attempt < attempts and elapsed + delay < policy.deadline
+                     and not (cancelled is not None and cancelled()))
+            err = translate(exc, "transient" if kind == "transient" else kind, url=url, op=op,
+                            attempts=attempt, elapsed=elapsed, redact=redact)
+            if on_error is not None:
+                on_error(type(err).__name__, retry)
+            if not retry:
+                raise err from exc
+        sleep(delay)

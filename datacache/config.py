@@ -1,0 +1,146 @@
+"""Small keyword-only configuration objects (in the style of httpx's ``Timeout``/``Limits``).
+
+Each is a frozen dataclass with a readable repr; sizes accept ints or strings such as ``"8GB"``
+(powers of 1000) and ``"8GiB"`` (powers of 1024). All are immutable and therefore thread-safe.
+"""
+from __future__ import annotations
+
+import getpass
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["parse_size", "format_size", "RetryConfig", "TransferConfig", "CacheConfig", "PrefetchConfig"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str | None) -> int | None:
+    """Parse ``8GB``, ``512MiB``, ``1e9`` or an int into bytes; ``None`` stays ``None``."""
+    if value is None or isinstance(value, bool):
+        return None if value is None else int(value)
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value!r}")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"cannot parse size {value!r}: expected a number with an optional unit like 8GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_size(n: int | float) -> str:
+    """Human-readable bytes, powers of 1000 (``"1.5 GB"``)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryConfig:
+    """Retry policy for transient storage errors: exponential backoff with full jitter.
+
+    ``attempts`` bounds the count, ``deadline`` (seconds) bounds the total time of one operation.
+    """
+
+    attempts: int = 6
+    base_delay: float = 0.2
+    max_delay: float = 4.0
+    deadline: float = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferConfig:
+    """How whole objects are read: parallel byte-range GETs of ``part_bytes`` each.
+
+    ``concurrency`` is the number of parts in flight per object; 8-16 MB parts are what S3 recommends.
+    """
+
+    part_bytes: int = 8 << 20
+    concurrency: int = 8
+    timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "part_bytes", parse_size(self.part_bytes))
+        if self.part_bytes <= 0 or self.concurrency <= 0:
+            raise ValueError("TransferConfig: part_bytes and concurrency must be > 0")
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        return str(os.getuid())
+
+
+def default_ram_dir() -> str:
+    return os.path.join("/dev/shm", f"datacache-{_user()}")
+
+
+def default_ssd_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "datacache")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """The node-local cache: a RAM tier then an SSD tier, both directory-backed and shared by every
+    process on the node.
+
+    - ``ram_bytes`` / ``ssd_bytes``: byte budgets (0 disables a tier). Each is shrunk at open time
+      to what the directory's filesystem has free (with one warning).
+    - ``ram_dir`` / ``ssd_dir``: tier directories (default ``/dev/shm/datacache-$USER`` and
+      ``~/.cache/datacache``); created with mode 0700 and refused if owned by another user.
+    - ``policy``: ``"auto"`` (clairvoyant when the future access order is known, else LRU),
+      ``"lru"`` or ``"clairvoyant"`` (Belady's MIN).
+    - ``verify``: ``"first"`` hashes an entry when it is written and the first time it is served
+      after a restart; ``"always"`` hashes it on every serve.
+    """
+
+    ram_bytes: int | str = "4GB"
+    ssd_bytes: int | str = "64GB"
+    ram_dir: str = field(default_factory=default_ram_dir)
+    ssd_dir: str = field(default_factory=default_ssd_dir)
+    policy: Literal["auto", "lru", "clairvoyant"] = "auto"
+    verify: Literal["first", "always"] = "first"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ram_bytes", parse_size(self.ram_bytes))
+        object.__setattr__(self, "ssd_bytes", parse_size(self.ssd_bytes))
+        object.__setattr__(self, "ram_dir", os.path.abspath(os.path.expanduser(self.ram_dir)))
+        object.__setattr__(self, "ssd_dir", os.path.abspath(os.path.expanduser(self.ssd_dir)))
+        if self.policy not in ("auto", "lru", "clairvoyant"):
+            raise ValueError(f"CacheConfig.policy must be 'auto', 'lru' or 'clairvoyant', not {self.policy!r}")
+        if self.verify not in ("first", "always"):
+            raise ValueError(f"CacheConfig.verify must be 'first' or 'always', not {self.verify!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefetchConfig:
+    """The prefetch thread pool of one consumer process.
+
+    Starts at ``threads`` workers and ``lookahead_bytes`` of plan ahead of the consumer; when the
+    consumer waits it adds one thread and grows the lookahead (additive increase), when it has not
+    waited for a while it halves them (multiplicative decrease), never beyond the ``max_*`` caps.
+    """
+
+    threads: int = 4
+    max_threads: int = 16
+    lookahead_bytes: int | str = "256MB"
+    max_lookahead_bytes: int | str = "2GB"
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lookahead_bytes", parse_size(self.lookahead_bytes))
+        object.__setattr__(self, "max_lookahead_bytes", parse_size(self.max_lookahead_bytes))
+        if not (1 <= self.threads <= self.max_threads):
+            raise ValueError("PrefetchConfig: need 1 <= threads <= max_threads")

@@ -1,0 +1,228 @@
+"""The drop-in PyTorch datasets: ``StreamingDataset`` (iterable) and ``CachedDataset`` (map-style).
+
+``StreamingDataset`` works with a plain ``DataLoader`` (any ``num_workers``, ``persistent_workers``,
+``pin_memory``) and torchdata's ``StatefulDataLoader``. Each consumer (the main process or each
+DataLoader worker) computes its plan for the epoch (``datacache.plan``), tells the node cache the
+future reads of every consumer on the node (clairvoyant eviction), and prefetches its next shards
+into the RAM tier with an adaptive thread pool while it yields samples.
+
+Resume: ``state_dict()`` records the epoch and how many samples each worker has read;
+``load_state_dict()`` continues exactly there. With the same data-parallel size and worker count
+the order is exactly the one that would have come; with another world size (elastic) the samples
+not yet read are split among the new ranks and each is read exactly once.
+
+A dataset object is used by one iterating thread per process; ``stats()`` and ``set_epoch()`` may
+be called from the training loop.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch.utils.data as tud
+
+from ._consumer import Consumer, collate, node_schedule
+from .cache import NodeCache
+from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
+from .dist import DistInfo, detect
+from .manifest import Manifest, load_manifest
+from .plan import DEFAULT_WINDOW, PlanSpec, build_plan, remainder_order
+from .storage import Store, open_store
+
+__all__ = ["StreamingDataset"]
+
+_STATE_VERSION = 1
+
+
+def _make_cache(cache: CacheConfig | NodeCache | None) -> NodeCache:
+    return cache if isinstance(cache, NodeCache) else NodeCache(cache or CacheConfig())
+
+
+class StreamingDataset(tud.IterableDataset):
+    """Stream a datacache dataset through the node cache (see the module docstring).
+
+    ``batch_size``: when set, yields collated batches (``collate_fn``, default: tensors for numbers
+    and equal-shape arrays, lists otherwise) straight from the reader; use ``DataLoader(ds,
+    batch_size=None)``. ``replication=k``: the k consecutive ranks of a tensor/pipeline-parallel
+    group receive identical samples (or pass ``dp_rank``/``dp_size`` explicitly).
+    ``on_error="skip"`` skips a shard that cannot be read (counted, warned) instead of raising.
+    """
+
+    def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
+                 cache: CacheConfig | NodeCache | None = None, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, window: int = DEFAULT_WINDOW,
+                 transform: Callable[[dict[str, Any]], Any] | None = None, batch_size: int | None = None,
+                 collate_fn: Callable[[list[dict[str, Any]]], Any] = collate, replication: int = 1,
+                 dp_rank: int | None = None, dp_size: int | None = None, prefetch: PrefetchConfig | None = None,
+                 transfer: TransferConfig | None = None, retry: RetryConfig | None = None,
+                 reader_options: Mapping[str, Any] | None = None, on_error: str = "raise",
+                 dist: DistInfo | None = None) -> None:
+        super().__init__()
+        if on_error not in ("raise", "skip"):
+            raise ValueError("on_error must be 'raise' or 'skip'")
+        self.store: Store = open_store(url, dict(storage_options or {}), transfer=transfer, retry=retry)
+        self.manifest: Manifest = load_manifest(self.store)
+        self.counts = np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
+        self.cache = _make_cache(cache)
+        self._use_schedule = self.cache.config.policy != "lru"
+        self.shuffle, self.seed, self.drop_last, self.window = shuffle, seed, drop_last, window
+        self.transform, self.batch_size, self.collate_fn = transform, batch_size, collate_fn
+        self.prefetch = prefetch or PrefetchConfig()
+        self.reader_options = dict(reader_options or {})
+        self.on_error = on_error
+        self.dist = dist or detect()
+        if (dp_rank is None) != (dp_size is None):
+            raise ValueError("pass both dp_rank and dp_size, or neither")
+        self.replication = replication
+        if dp_size is None:
+            if self.dist.world_size % replication:
+                raise ValueError(f"world size {self.dist.world_size} is not a multiple of replication={replication}")
+            dp_size, dp_rank = self.dist.world_size // replication, self.dist.rank // replication
+        self.dp_size, self.dp_rank = int(dp_size), int(dp_rank)
+        self.epoch = 0
+        self._resume: dict[str, Any] | None = None
+        self._consumer: Consumer | None = None
+        self._worker = (0, 1)
+
+    # ------------------------------------------------------------------ plan
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (reshuffles); call before iterating, as with DistributedSampler."""
+        if self._resume is not None and self._resume["epoch"] != epoch:
+            self._resume = None
+        self.epoch = int(epoch)
+
+    def _spec(self, num_workers: int, worker_id: int, epoch: int | None = None) -> PlanSpec:
+        return PlanSpec(seed=self.seed, epoch=self.epoch if epoch is None else epoch, shuffle=self.shuffle,
+                        window=self.window, drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,
+                        num_workers=num_workers, worker_id=worker_id)
+
+    def _node_dp_ranks(self) -> list[int]:
+        if self.dist.world_size == self.dp_size * self.replication and self.dist.world_size > 1:
+            return sorted({r // self.replication for r in self.dist.node_ranks()})
+        return [self.dp_rank]
+
+    def _resume_order(self, spec: PlanSpec) -> tuple[np.ndarray | None, int]:
+        """(order override, samples to skip) for this consumer from a loaded state."""
+        st = self._resume
+        if st is None:
+            return None, 0
+        if st["dp_size"] == spec.dp_size and st["num_workers"] == spec.num_workers and not st["chain"]:
+            return None, int(st["consumed"][spec.worker_id])
+        order = None
+        for link in st["chain"] + [{k: st[k] for k in ("dp_size", "num_workers", "consumed")}]:
+            link_spec = PlanSpec(**{**spec.__dict__, "dp_size": link["dp_size"], "num_workers": link["num_workers"],
+                                    "dp_rank": 0, "worker_id": 0})
+            order = remainder_order(self.counts, link_spec, link["consumed"], order=order)
+        return order, 0
+
+    def __len__(self) -> int:
+        """Samples this rank reads per epoch (batches in batched mode with one consumer)."""
+        n = len(build_plan(self.counts, self._spec(1, 0), shards_only=True))
+        return n if self.batch_size is None else -(-n // self.batch_size)
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[Any]:
+        info = tud.get_worker_info()
+        num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
+        self._worker = (worker_id, num_workers)
+        spec = self._spec(num_workers, worker_id)
+        order, skip = self._resume_order(spec)
+        plan = build_plan(self.counts, spec, order=order, reshuffle=order is None)
+        schedule = None
+        if self._use_schedule:
+            ranks = self._node_dp_ranks() if order is None else [self.dp_rank]
+            schedule = node_schedule(self.manifest, self.counts, spec, ranks, first_plan_order=order)
+        if self._consumer is not None:
+            self._consumer.close()
+        consumer = Consumer(manifest=self.manifest, store=self.store, cache=self.cache, plan=plan, epoch=self.epoch,
+                            skip=skip, prefetch=self.prefetch, schedule=schedule, reader_options=self.reader_options,
+                            on_error=self.on_error, name=f"datacache-prefetch-r{self.dp_rank}w{worker_id}")
+        self._consumer = consumer
+        self._resume_base = self._resume
+        self._resume = None
+        yield from self._emit(consumer)
+
+    def _emit(self, consumer: Consumer) -> Iterator[Any]:
+        transform = self.transform
+        if self.batch_size is None:
+            for sample in consumer:
+                yield transform(sample) if transform else sample
+            self._flush_stats(consumer)
+            return
+        batch: list[Any] = []
+        for sample in consumer:
+            batch.append(transform(sample) if transform else sample)
+            if len(batch) == self.batch_size:
+                yield self.collate_fn(batch)
+                batch = []
+        if batch:
+            yield self.collate_fn(batch)
+        self._flush_stats(consumer)
+
+    def _flush_stats(self, consumer: Consumer) -> None:
+        p = consumer.prefetcher
+        self.cache.index.count(wait_seconds=p.wait_seconds, waits=p.waits,
+                               samples=consumer.consumed, padded=consumer.plan.padded if consumer.skip == 0 else 0)
+        p.wait_seconds, p.waits = 0.0, 0
+        self.cache.index.flush()
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict[str, Any]:
+        """Where this consumer is: epoch and samples read per worker (see the module docstring).
+
+        Called in the main process (``num_workers=0``) or, by ``StatefulDataLoader``, in each worker.
+        """
+        worker_id, num_workers = self._worker
+        consumed = [0] * num_workers
+        base = getattr(self, "_resume_base", None)
+        chain: list[dict[str, Any]] = []
+        if base is not None and base["epoch"] == self.epoch:
+            chain = list(base["chain"])
+            if base["dp_size"] != self.dp_size or base["num_workers"] != num_workers or base["chain"]:
+                chain.append({k: base[k] for k in ("dp_size", "num_workers", "consumed")})
+        if self._consumer is not None and self._consumer.epoch == self.epoch:
+            consumed[worker_id] = self._consumer.consumed
+        return {"version": _STATE_VERSION, "epoch": self.epoch, "seed": self.seed, "dataset_id": self.manifest.dataset_id,
+                "dp_size": self.dp_size, "num_workers": num_workers, "worker_id": worker_id,
+                "consumed": consumed, "chain": chain}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``state`` at the next ``__iter__`` (possibly with another world size)."""
+        if state.get("version") != _STATE_VERSION or state.get("dataset_id") != self.manifest.dataset_id:
+            raise ValueError("state_dict is from another dataset or datacache version; cannot resume")
+        if state.get("seed") != self.seed:
+            raise ValueError(f"state_dict was saved with seed={state.get('seed')}, this dataset has seed={self.seed}")
+        self.epoch = int(state["epoch"])
+        self._resume = {"epoch": self.epoch, "dp_size": int(state["dp_size"]), "num_workers": int(state["num_workers"]),
+                        "consumed": [int(c) for c in state["consumed"]], "chain": list(state.get("chain", []))}
+
+    # ------------------------------------------------------------------ stats / lifecycle
+    def stats(self) -> dict[str, Any]:
+        """Node-wide cache counters plus this process's consumer: wait seconds, prefetch depth."""
+        out = self.cache.stats()
+        c = self._consumer
+        if c is not None:
+            out["consumer_wait_seconds"] = c.prefetcher.wait_seconds
+            out["prefetch_depth"] = c.prefetcher.depth
+            out["prefetch_threads"] = c.prefetcher.active_threads
+            out["lookahead_bytes"] = c.prefetcher.lookahead
+        return out
+
+    def close(self) -> None:
+        """Stop prefetching and release pinned shards. Idempotent."""
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_consumer"] = None
+        return state
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+

@@ -1,0 +1,75 @@
+"""One documented exception hierarchy for datacache.
+
+Every error names the URL or path it concerns, says what was expected, and what to do::
+
+    DatacacheError                  base class; ``.url`` is the URL or path concerned (may be None)
+    +-- StorageError                the object store could not serve a request
+    |   +-- TransientStorageError   5xx, throttling, resets, timeouts: retries were exhausted
+    |   +-- NotFoundError           404, no such bucket or key (also a FileNotFoundError)
+    |   +-- PermissionDeniedError   403, missing or wrong credentials (also a PermissionError)
+    +-- ManifestError               manifest.json missing, truncated, invalid, or naming unsafe shards
+    +-- IntegrityError              bytes do not match the size or hash the manifest declares
+    +-- ReaderError                 a local shard file cannot be parsed by its reader (wrong format,
+    |                               truncated, hostile: oversized declarations, bombs, unsafe members)
+    +-- CacheError                  a cache directory is unusable (not ours, wrong mode, no space)
+
+Backend errors are translated where they enter (``raise ... from exc``), so the original cause
+stays chained in ``__cause__``. Credentials never appear in messages.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "DatacacheError",
+    "StorageError",
+    "TransientStorageError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "ManifestError",
+    "IntegrityError",
+    "ReaderError",
+    "CacheError",
+]
+
+
+class DatacacheError(Exception):
+    """Base of every datacache error. ``url`` is the URL or local path concerned."""
+
+    def __init__(self, message: str, *, url: str | None = None, hint: str | None = None) -> None:
+        self.url = url
+        self.hint = hint
+        text = message if url is None or url in message else f"{url}: {message}"
+        if hint:
+            text = f"{text}. {hint}" if not text.endswith(".") else f"{text} {hint}"
+        super().__init__(text)
+
+
+class StorageError(DatacacheError):
+    """The object store could not serve a request."""
+
+
+class TransientStorageError(StorageError):
+    """A retryable failure (5xx, throttling, connection reset, timeout) that outlasted the retries."""
+
+
+class NotFoundError(StorageError, FileNotFoundError):
+    """The bucket, prefix or object does not exist."""
+
+
+class PermissionDeniedError(StorageError, PermissionError):
+    """The store refused access: missing or wrong credentials, or no permission."""
+
+
+class ManifestError(DatacacheError):
+    """manifest.json is missing, truncated, invalid, or names an unsafe shard."""
+
+
+class IntegrityError(DatacacheError):
+    """Bytes do not match the size or content hash declared in the manifest."""
+
+
+class ReaderError(DatacacheError):
+    """A local shard file cannot be parsed by its reader."""
+
+
+class CacheError(DatacacheError):
+    """A cache directory is unusable."""

@@ -1,0 +1,399 @@
+"""Object storage access: the only datacache module that imports fsspec (and, through it, s3fs).
+
+``open_store(url)`` returns a :class:`Store` rooted at a dataset prefix on any fsspec URL
+(``s3://bucket/prefix/``, ``file:///abs/dir``, a plain local path, ``memory://x/``, ``gs://``...).
+Whole objects are read as parallel byte-range GETs of ``TransferConfig.part_bytes`` with
+``TransferConfig.concurrency`` parts in flight, on the store's thread pool (threads named
+``datacache-io-N``); ``read_into`` writes each part at its offset with ``os.pwrite`` so a shard
+never has to be held in memory.
+
+Reliability: every backend call goes through one bounded retry policy (:mod:`datacache._retry`,
+``RetryConfig``: attempts AND deadline, exponential backoff with full jitter). s3fs's and botocore's
+own retries are switched off (``S3FileSystem.retries = 1`` and botocore ``total_max_attempts=1``; s3fs still
+sleeps ~0.1 s once after a throttling error) so that policy is the only one that counts and its
+bounds are real. Backend errors are translated where they enter (``raise X(...) from exc``) into
+:mod:`datacache.errors`; messages name the full URL, the cause and what to do, and never contain
+credentials (they are scrubbed from every message; ``repr(store)`` shows no options).
+
+Freshness: s3fs instances are never shared (``skip_instance_cache=True``) and listings are not
+cached (``use_listings_cache=False``), so ``size``/``exists``/``list`` always ask the store.
+
+Thread-safety and fork-safety: a ``Store`` is thread-safe; any number of threads may call any
+method concurrently. It is also fork-safe: after ``os.fork()`` (DataLoader workers) the child lazily
+builds its own filesystem instance and thread pool on first use (the pid is tracked and locks are
+re-created in the child by an ``os.register_at_fork`` hook).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from itertools import count
+from typing import Any, Callable
+
+import fsspec
+from fsspec.core import split_protocol
+
+from ._retry import ShortReadError, retry_call
+from .config import RetryConfig, TransferConfig
+from .errors import IntegrityError, NotFoundError, StorageError
+
+__all__ = ["open_store", "Store"]
+
+log = logging.getLogger(__name__)
+
+_S3 = {"s3", "s3a"}
+_NO_LISTING_CACHE = _S3 | {"gs", "gcs", "abfs", "az", "http", "https"}
+_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature")
+_thread_ids = count()
+_stores: "weakref.WeakSet[Store]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_stores):
+        store._reset_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _secrets(obj: Any, under_secret: bool = False) -> set[str]:
+    """String values stored under credential-like keys of (nested) storage options."""
+    found: set[str] = set()
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            found |= _secrets(v, under_secret or any(w in str(k).lower() for w in _SECRET_WORDS))
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            found |= _secrets(v, under_secret)
+    elif under_secret and isinstance(obj, str) and len(obj) >= 4:
+        found.add(obj)
+    return found
+
+
+def _normalize(url: str) -> tuple[str, str]:
+    """``(protocol, normalized url ending with "/")``; plain paths become ``file://`` URLs."""
+    if "::" in url:
+        raise ValueError(f"chained fsspec URLs are not supported: {url!r}")
+    protocol, path = split_protocol(url)
+    if protocol in (None, "file", "local"):
+        local = os.path.abspath(os.path.expanduser(path))
+        return "file", "file://" + local.rstrip("/") + "/"
+    return protocol, url.rstrip("/") + "/"
+
+
+def _check_name(name: str) -> str:
+    parts = name.split("/")
+    if name.startswith("/") or "\\" in name or any(p in (".", "..") for p in parts):
+        raise ValueError(f"object name must be relative with no '.' or '..' parts, got {name!r}")
+    return name
+
+
+def _fs_options(protocol: str, storage_options: dict | None, transfer: TransferConfig,
+                pool_size: int) -> dict[str, Any]:
+    opts = dict(storage_options or {})
+    opts.setdefault("skip_instance_cache", True)
+    if protocol in _NO_LISTING_CACHE:
+        opts.setdefault("use_listings_cache", False)
+    if protocol == "file":
+        opts.setdefault("auto_mkdir", True)
+    if protocol in _S3:
+        client_kwargs = dict(opts.get("client_kwargs") or {})
+        env = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if env and "endpoint_url" not in client_kwargs and not opts.get("endpoint_url"):
+            client_kwargs["endpoint_url"] = env
+        opts["client_kwargs"] = client_kwargs
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
+        config.setdefault("connect_timeout", min(transfer.timeout, 10.0))
+        config.setdefault("read_timeout", transfer.timeout)
+        config.setdefault("max_pool_connections", max(10, pool_size))
+        opts["config_kwargs"] = config
+    return opts
+
+
+def open_store(url: str, storage_options: dict | None = None, *, transfer: TransferConfig | None = None,
+               retry: RetryConfig | None = None) -> "Store":
+    """Open the dataset prefix ``url``. Nothing is contacted until the first call."""
+    return Store(url, storage_options, transfer=transfer, retry=retry)
+
+
+class Store:
+    """A dataset prefix on an object store or file system. Thread-safe and fork-safe (see module)."""
+
+    def __init__(self, url: str, storage_options: dict | None = None, *,
+                 transfer: TransferConfig | None = None, retry: RetryConfig | None = None) -> None:
+        self.protocol, self.url = _normalize(url)
+        self.transfer = transfer or TransferConfig()
+        self.retry = retry or RetryConfig()
+        c = self.transfer.concurrency
+        self._pool_size = max(c, min(64, 4 * c))
+        self._options = _fs_options(self.protocol, storage_options, self.transfer, self._pool_size)
+        self._secret_values = sorted(_secrets(storage_options or {}), key=len, reverse=True)
+        self._init_state()
+        _stores.add(self)
+
+    def _init_state(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._fs: Any = None
+        self._root = ""
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._stats: dict[str, Any] = {"requests": 0, "retries": 0, "bytes_read": 0, "bytes_written": 0,
+                                       "errors": {}}
+
+    def _reset_after_fork(self) -> None:
+        # Runs in the child: the parent's threads do not exist here and its locks may be held.
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._fs, self._pool = None, None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: self.__dict__[k] for k in ("protocol", "url", "transfer", "retry", "_pool_size",
+                                               "_options", "_secret_values")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_state()
+        _stores.add(self)
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r}, part_bytes={self.transfer.part_bytes}, concurrency={self.transfer.concurrency})"
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _redact(self, text: str) -> str:
+        for secret in self._secret_values:
+            text = text.replace(secret, "***")
+        return text
+
+    def _ensure(self) -> tuple[Any, ThreadPoolExecutor]:
+        """The filesystem and pool of this process, created lazily (again after a fork)."""
+        if self._pid != os.getpid():
+            self._reset_after_fork()
+        fs, pool = self._fs, self._pool
+        if fs is not None and pool is not None:
+            return fs, pool
+        with self._lock:
+            if self._closed:
+                raise StorageError("the store is closed", url=self.url, hint="open a new one with open_store()")
+            if self._fs is None:
+                try:
+                    fs = fsspec.filesystem(self.protocol, **self._options)
+                except Exception as exc:
+                    raise StorageError(
+                        f"cannot create a {self.protocol!r} filesystem ({self._redact(f'{type(exc).__name__}: {exc}')})",
+                        url=self.url, hint="check the URL scheme and storage_options; a missing backend "
+                        "package (s3fs, gcsfs, adlfs) must be installed") from exc
+                if self.protocol in _S3:
+                    fs.retries = 1  # one attempt per s3fs call (a class attribute): RetryConfig rules
+                self._root = fs._strip_protocol(self.url).rstrip("/") + "/"
+                self._fs = fs
+            if self._pool is None:
+                def _name_thread() -> None:
+                    threading.current_thread().name = f"datacache-io-{next(_thread_ids)}"
+                self._pool = ThreadPoolExecutor(self._pool_size, initializer=_name_thread)
+            return self._fs, self._pool
+
+    def _bump(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[key] += n
+
+    def _on_error(self, cls: str, will_retry: bool) -> None:
+        with self._lock:
+            errors = self._stats["errors"]
+            errors[cls] = errors.get(cls, 0) + 1
+            if will_retry:
+                self._stats["retries"] += 1
+
+    def _call(self, op: str, name: str, fn: Callable[[Any, str], Any], *, started: float | None = None,
+              cancelled: Callable[[], bool] | None = None) -> Any:
+        """Run ``fn(fs, path)`` under the retry policy; errors are translated here."""
+        fs, _ = self._ensure()
+        path = self._root + name
+        return retry_call(lambda: fn(fs, path), self.retry, url=self.url_of(name), op=op,
+                          redact=self._redact, started=started, cancelled=cancelled,
+                          on_attempt=lambda: self._bump("requests"), on_error=self._on_error)
+
+    # -- public API -------------------------------------------------------------------------
+    def url_of(self, name: str) -> str:
+        """Full URL of the object ``name`` (relative to the store's prefix)."""
+        return self.url + _check_name(name)
+
+    def size(self, name: str) -> int:
+        """Size in bytes of object ``name`` (one HEAD). Raises NotFoundError if it does not exist."""
+        info = self._call("size", name, lambda fs, p: fs.info(p))
+        if info.get("type") == "directory":
+            raise NotFoundError("size: this is a prefix (directory), not an object", url=self.url_of(name),
+                                hint="check the object name")
+        return int(info["size"])
+
+    def exists(self, name: str) -> bool:
+        """True if object (or, on file systems, directory) ``name`` exists. Other errors raise."""
+        try:
+            self._call("exists", name, lambda fs, p: fs.info(p))
+            return True
+        except NotFoundError:
+            return False
+
+    def list(self, prefix: str = "") -> list[tuple[str, int]]:
+        """``(name, size)`` of every object whose name starts with ``prefix``, recursive, sorted."""
+        base = prefix[: prefix.rfind("/") + 1] if "/" in prefix else ""
+        if base:
+            _check_name(base.rstrip("/"))
+        found = self._call("list", base, lambda fs, p: fs.find(p.rstrip("/") or p, detail=True))
+        out = []
+        for path, info in found.items():
+            path = path.split("://", 1)[-1] if "://" in path else path
+            rel = path[len(self._root):] if path.startswith(self._root) else None
+            if rel and not rel.endswith("/") and rel.startswith(prefix) and info.get("type", "file") != "directory":
+                out.append((rel, int(info.get("size") or 0)))
+        return sorted(out)
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of object ``name`` (one ranged GET, retried)."""
+        if not 0 <= start <= end:
+            raise ValueError(f"bad range [{start}, {end})")
+        if start == end:
+            return b""
+        return self._read_part(name, start, end, None, time.monotonic(), None)
+
+    def read_bytes(self, name: str, *, size: int | None = None) -> bytes:
+        """The whole object, by parallel ranged GETs. Pass ``size`` (known from a manifest) to skip
+        the HEAD. Raises IntegrityError if the object is larger or smaller than ``size``."""
+        size = self.size(name) if size is None else size
+        buf = bytearray(size)
+
+        def sink(off: int, data: bytes) -> None:
+            buf[off:off + len(data)] = data
+        self._read_parts(name, size, sink)
+        return bytes(buf)
+
+    def read_into(self, name: str, path: str, *, size: int | None = None,
+                  on_bytes: Callable[[int], None] | None = None) -> int:
+        """Read the whole object into the existing local file ``path`` (each part written at its
+        offset with ``os.pwrite``, so memory stays ~part_bytes x concurrency); returns the byte count.
+        ``on_bytes(n)`` is called (from I/O threads) after each part is written."""
+        size = self.size(name) if size is None else size
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            def sink(off: int, data: bytes) -> None:
+                view = memoryview(data)
+                while view:
+                    n = os.pwrite(fd, view, off)
+                    view, off = view[n:], off + n
+                if on_bytes is not None:
+                    on_bytes(len(data))
+            self._read_parts(name, size, sink)
+        finally:
+            os.close(fd)
+        return size
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Create or replace object ``name`` with ``data``."""
+        self._call("write", name, lambda fs, p: fs.pipe_file(p, bytes(data)))
+        self._bump("bytes_written", len(data))
+
+    def put_file(self, local_path: str, name: str) -> None:
+        """Upload the local file ``local_path`` as object ``name``."""
+        self._call("put", name, lambda fs, p: fs.put_file(local_path, p))
+        self._bump("bytes_written", os.path.getsize(local_path))
+
+    def delete(self, name: str) -> None:
+        """Delete object ``name``; deleting a missing object is not an error (as on S3)."""
+        try:
+            self._call("delete", name, lambda fs, p: fs.rm_file(p))
+        except NotFoundError:
+            pass
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this process: requests (attempts), retries, bytes_read, bytes_written,
+        errors (count of failed attempts by datacache error class)."""
+        with self._lock:
+            return {**self._stats, "errors": dict(self._stats["errors"])}
+
+    def close(self) -> None:
+        """Release the thread pool and filesystem. Idempotent; later calls raise StorageError."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool, self._fs = self._pool, None, None
+        if pool is not None and self._pid == os.getpid():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- ranged reads -----------------------------------------------------------------------
+    def _read_part(self, name: str, start: int, end: int, total: int | None, started: float,
+                   cancelled: Callable[[], bool] | None) -> bytes:
+        """GET ``[start, end)``; for the last part of an object of expected size ``total`` one extra
+        byte is asked for, so an object that grew is detected."""
+        want = end - start
+        extra = 1 if total is not None and end == total else 0
+
+        def get(fs: Any, path: str) -> bytes:
+            data = fs.cat_file(path, start=start, end=end + extra)
+            if len(data) > want:
+                raise IntegrityError(f"object is larger than the expected {total} bytes", url=self.url_of(name),
+                                     hint="the object was replaced; rebuild or refresh the manifest")
+            if len(data) < want:
+                actual = int(fs.info(path)["size"])
+                if actual < end:
+                    raise IntegrityError(
+                        f"object is {actual} bytes, expected at least {end}", url=self.url_of(name),
+                        hint="the object was replaced or truncated; rebuild or refresh the manifest")
+                raise ShortReadError(f"short read: got {len(data)} of {want} bytes at offset {start}")
+            return data
+
+        data = self._call("read", name, get, started=started, cancelled=cancelled)
+        self._bump("bytes_read", len(data))
+        return data
+
+    def _read_parts(self, name: str, size: int, sink: Callable[[int, bytes], None]) -> None:
+        if size < 0:
+            raise ValueError(f"size must be >= 0, got {size}")
+        started = time.monotonic()
+        if size == 0:  # no satisfiable range: a plain GET checks existence and emptiness
+            data = self._call("read", name, lambda fs, p: fs.cat_file(p), started=started)
+            if data:
+                raise IntegrityError(f"object is larger than the expected 0 bytes", url=self.url_of(name),
+                                     hint="the object was replaced; rebuild or refresh the manifest")
+            return
+        step = self.transfer.part_bytes
+        parts = [(off, min(off + step, size)) for off in range(0, size, step)]
+        _, pool = self._ensure()
+        failed = threading.Event()
+
+        def one(start: int, end: int) -> None:
+            if failed.is_set():
+                return
+            sink(start, self._read_part(name, start, end, size, started, failed.is_set))
+
+        if len(parts) == 1 or threading.current_thread().name.startswith("datacache-io-"):
+            for start, end in parts:  # small object, or called from an I/O thread: no nesting
+                one(start, end)
+            return
+        pending: set[Future[None]] = set()
+        it = iter(parts)
+        try:
+            for start, end in it:
+                pending.add(pool.submit(one, start, end))
+                if len(pending) >= self.transfer.concurrency:
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in done:
+                        f.result()
+            for f in pending:
+                f.result()
+        except BaseException:
+            failed.set()
+            for f in pending:
+                f.cancel()
+            wait(pending)
+            raise

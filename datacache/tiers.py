@@ -1,0 +1,198 @@
+"""Directory-backed cache tiers and the kernel locks that make them safe to share across processes.
+
+A ``Tier`` is a private directory (mode 0700, owned by us) holding entry files under ``data/``.
+Entry files have unique names (``<key id>.<generation>``), so a delayed unlink of an old entry can
+never remove a newer one. Temporary files start with ``.tmp-`` and pass-through files with
+``.pass-``; neither is ever referenced by the index, so reconciliation may delete them.
+
+Locks are ``flock`` locks, released by the kernel when their holder dies:
+
+- ``KeyLock``: one exclusive lock file per key; whoever holds it is the only one fetching,
+  promoting or demoting that key on this node. Waiters block in the kernel (no polling).
+- Pins: a reader holds a shared lock on the entry file itself; an evictor must take an exclusive
+  lock without blocking, so a pinned entry is never evicted from under its reader.
+
+Everything here is thread-safe: flock locks belong to open file descriptions, so two threads of one
+process that open the same lock file exclude each other just like two processes do.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import xxhash
+
+from .config import format_size
+from .errors import CacheError
+
+__all__ = ["Tier", "ensure_private_dir", "key_id", "KeyLock", "try_pin", "try_lock_exclusive", "unlock_close",
+           "NO_SPACE_ERRNOS"]
+
+log = logging.getLogger("datacache.cache")
+
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_MIN_TIER_BYTES = 16 << 20
+_FREE_SHARE = 0.9
+
+
+def key_id(key: str) -> str:
+    """A filesystem-safe, fixed-length id for a cache key."""
+    return xxhash.xxh3_128_hexdigest(key.encode())
+
+
+def ensure_private_dir(path: str) -> str:
+    """Create ``path`` with mode 0700 if needed; refuse it if another user owns it or it is a symlink."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise CacheError("cache directory is a symlink or not a directory", url=path,
+                         hint="Point the cache at a real directory you own")
+    if st.st_uid != os.getuid():
+        raise CacheError(f"cache directory is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})",
+                         url=path, hint="Use a directory you own (set ram_dir/ssd_dir or DATACACHE_*_DIR)")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+class Tier:
+    """One cache tier: a budget in bytes and a private directory. Thread-safe (immutable after init
+    except ``disable``, which only ever turns the tier off)."""
+
+    def __init__(self, name: str, path: str, budget: int) -> None:
+        self.name = name
+        self.path = path
+        self.data_dir = os.path.join(path, "data")
+        self.budget = int(budget)
+        self.enabled = False
+        if self.budget <= 0:
+            return
+        try:
+            ensure_private_dir(path)
+            ensure_private_dir(self.data_dir)
+            probe = os.path.join(self.data_dir, f".tmp-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+        except CacheError:
+            raise
+        except OSError as exc:
+            log.warning("datacache: %s tier disabled: cannot write to %s (%s)", name, path, exc)
+            return
+        self._fit_free_space()
+
+    def _fit_free_space(self) -> None:
+        usage = shutil.disk_usage(self.data_dir)
+        ours = sum(e.stat().st_size for e in os.scandir(self.data_dir) if e.is_file(follow_symlinks=False))
+        available = int((usage.free + ours) * _FREE_SHARE)
+        if self.budget > available:
+            if available < _MIN_TIER_BYTES:
+                log.warning("datacache: %s tier disabled: only %s free at %s", self.name,
+                            format_size(usage.free), self.path)
+                return
+            log.warning("datacache: %s tier budget shrunk from %s to %s: that is what %s has free",
+                        self.name, format_size(self.budget), format_size(available), self.path)
+            self.budget = available
+        self.enabled = True
+
+    def disable(self, why: str) -> None:
+        if self.enabled:
+            self.enabled = False
+            log.warning("datacache: %s tier disabled at %s: %s; continuing without it", self.name, self.path, why)
+
+    def file_path(self, fname: str) -> str:
+        return os.path.join(self.data_dir, fname)
+
+    def new_name(self, kid: str) -> str:
+        return f"{kid}.{uuid.uuid4().hex[:12]}"
+
+    def temp_path(self, kid: str) -> str:
+        """The one temp file of a key: only the holder of the key's lock writes it."""
+        return os.path.join(self.data_dir, f".tmp-{kid}")
+
+    def scan(self) -> Iterator[os.DirEntry[str]]:
+        if os.path.isdir(self.data_dir):
+            yield from os.scandir(self.data_dir)
+
+    def __repr__(self) -> str:
+        return f"Tier({self.name!r}, {self.path!r}, budget={format_size(self.budget)}, enabled={self.enabled})"
+
+
+class KeyLock:
+    """Exclusive per-key lock across threads and processes (``flock`` on ``<dir>/<key id>.lock``)."""
+
+    def __init__(self, lock_dir: str, kid: str) -> None:
+        self.path = os.path.join(lock_dir, f"{kid}.lock")
+        self.fd = -1
+
+    def acquire(self, blocking: bool = True) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            unlock_close(fd)
+
+    @contextmanager
+    def held(self) -> Iterator["KeyLock"]:
+        self.acquire()
+        try:
+            yield self
+        finally:
+            self.release()
+
+
+def unlock_close(fd: int) -> None:
+    """Unlock explicitly before closing: a forked child may share the open file description."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def try_pin(path: str) -> int | None:
+    """Open ``path`` with a shared lock; ``None`` if it is gone or being evicted. Returns the fd."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    if os.fstat(fd).st_nlink == 0:  # unlinked between open and lock
+        unlock_close(fd)
+        return None
+    return fd
+
+
+def try_lock_exclusive(path: str) -> int | None:
+    """Open ``path`` with an exclusive lock without blocking; ``None`` if pinned or gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd

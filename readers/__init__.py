@@ -1,0 +1,70 @@
+"""Shard readers and writers, one module per shard format, and the format registry.
+
+A reader turns a *local* shard file into samples (``dict`` field -> value) and knows nothing of
+caches or networks. Each format object in :data:`FORMATS` has ``name``, ``extension``,
+``open(path, **kw) -> ShardReader`` and ``ShardWriter(path, schema, **kw)``.
+
+Built-in formats: ``zstd`` (``.dcz``, native), ``parquet`` (``.parquet``), ``lmdb``
+(``.lmdb``) and ``tar`` (``.tar``, WebDataset layout).
+
+The registry is meant to be filled at import time; :func:`register_format` is not thread-safe.
+Readers and writers: one object per thread (see :mod:`readers.base`).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import codec
+from . import lmdb as _lmdb
+from . import parquet as _parquet
+from . import tar as _tar
+from . import zstd as _zstd
+from .base import ReaderError, ShardFormat, ShardReader, ShardWriter
+
+__all__ = [
+    "FORMATS", "UnknownFormatError", "ReaderError", "ShardReader", "ShardWriter", "ShardFormat",
+    "register_format", "get_format", "open_shard", "codec",
+]
+
+
+class UnknownFormatError(ValueError):
+    """A shard format name that is not registered."""
+
+
+FORMATS: dict[str, Any] = {}
+
+_REQUIRED = ("name", "extension", "open", "ShardWriter")
+
+
+def register_format(name: str, fmt: Any, *, replace: bool = False) -> None:
+    """Register ``fmt`` (an object with ``name``, ``extension``, ``open``, ``ShardWriter``).
+
+    Raises :class:`ValueError` if ``name`` is taken by another object and ``replace`` is false.
+    """
+    missing = [attr for attr in _REQUIRED if not hasattr(fmt, attr)]
+    if missing:
+        raise TypeError(f"format {name!r} lacks {missing}; a format needs {list(_REQUIRED)}")
+    if not replace and FORMATS.get(name, fmt) is not fmt:
+        raise ValueError(f"format {name!r} is already registered; pass replace=True")
+    FORMATS[name] = fmt
+
+
+def get_format(name: str) -> Any:
+    """Return the format registered as ``name``, else :class:`UnknownFormatError`."""
+    try:
+        return FORMATS[name]
+    except (KeyError, TypeError):
+        known = ", ".join(sorted(FORMATS))
+        raise UnknownFormatError(f"unknown shard format {name!r}; known formats: {known}") \
+            from None
+
+
+def open_shard(format_name: str, path: str | os.PathLike[str], **kw: Any) -> ShardReader:
+    """Open the local shard ``path`` with the reader of ``format_name``."""
+    return get_format(format_name).open(path, **kw)
+
+
+for _fmt in (_zstd.FORMAT, _parquet.FORMAT, _lmdb.FORMAT, _tar.FORMAT):
+    register_format(_fmt.name, _fmt)
+del _fmt

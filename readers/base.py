@@ -1,0 +1,271 @@
+"""Abstract shard reader/writer and the reader error type.
+
+A :class:`ShardReader` turns one *local* shard file into samples (``dict`` field -> value). It
+knows nothing of caches or networks. A :class:`ShardWriter` produces such a file from samples.
+
+Thread safety: a reader or writer object is **not** thread-safe; use one reader per thread (or
+guard it with a lock). Readers are fork-safe: every public read re-checks ``os.getpid()`` and
+reopens its file handles, mmaps or LMDB environment in a forked child (e.g. a DataLoader worker),
+so a reader opened in the parent can be used in the child. Readers also pickle (the handles are
+dropped and reopened lazily), so they work with the ``spawn`` start method too.
+"""
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+__all__ = ["ReaderError", "ShardReader", "ShardWriter", "ShardFormat", "Sample", "Schema"]
+
+Sample = dict[str, Any]
+Schema = dict[str, str]
+
+
+class ReaderError(ValueError):
+    """A local shard file cannot be parsed: wrong format, truncated, corrupt or hostile.
+
+    ``path`` is the file concerned and ``hint`` says what to do; both appear in the message,
+    e.g. ``"/x/a.tar: not a tar shard (bad header at offset 0). Check the dataset's 'format'
+    in manifest.json"``.
+    """
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None,
+                 hint: str | None = None) -> None:
+        self.path = None if path is None else os.fspath(path)
+        self.url = self.path  # same attribute name as datacache.errors.DatacacheError
+        self.hint = hint
+        text = message
+        if self.path is not None and not message.startswith(self.path):
+            text = f"{self.path}: {message}"
+        if hint:
+            text = f"{text.rstrip('.')}. {hint}"
+        super().__init__(text)
+
+
+class ShardReader(abc.ABC):
+    """Random and sequential access to the samples of one local shard file.
+
+    Subclasses implement :meth:`_open_handles`, :meth:`_close_handles`, :meth:`__len__` and
+    :meth:`_get`, and may override :meth:`_iter_range` with a faster sequential path. They list
+    the attributes holding OS resources in ``_HANDLE_ATTRS`` (dropped when pickled).
+    Not thread-safe: use one reader per thread.
+    """
+
+    _HANDLE_ATTRS: tuple[str, ...] = ()
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path: str = os.fspath(path)
+        self.schema: Schema | None = None
+        self._pid: int | None = None
+        self._closed = False
+
+    # -- subclass hooks -------------------------------------------------------------------
+    @abc.abstractmethod
+    def _open_handles(self) -> None:
+        """Open file handles/mmaps/environments (called at open and again after a fork)."""
+
+    @abc.abstractmethod
+    def _close_handles(self) -> None:
+        """Release what :meth:`_open_handles` opened; must tolerate partly opened state."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of samples in the shard."""
+
+    @abc.abstractmethod
+    def _get(self, index: int) -> Sample:
+        """Return sample ``index`` (already bounds-checked, handles open)."""
+
+    def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:
+        """Yield samples ``start..stop-1`` (already bounds-checked, handles open)."""
+        for i in range(start, stop):
+            yield self._get(i)
+
+    # -- public API -----------------------------------------------------------------------
+    def _ensure_open(self) -> None:
+        """Open handles on first use, and reopen them in a forked child."""
+        if self._closed:
+            raise ValueError(f"{self.path}: reader is closed")
+        pid = os.getpid()
+        if self._pid == pid:
+            return
+        if self._pid is not None:  # inherited from the parent: never share its handles
+            self._close_handles()
+        self._pid = None
+        try:
+            self._open_handles()
+        except BaseException:
+            self._close_handles()
+            raise
+        self._pid = pid
+
+    def _check_index(self, index: int) -> int:
+        if isinstance(index, bool) or not isinstance(index, int):
+            try:
+                index = index.__index__()  # numpy integers
+            except AttributeError:
+                raise TypeError(f"sample index must be an int, not {type(index).__name__}") from None
+        n = len(self)
+        if not 0 <= index < n:
+            raise IndexError(f"{self.path}: sample index {index} out of range [0, {n})")
+        return index
+
+    def get(self, index: int) -> Sample:
+        """Return sample ``index`` (``0 <= index < len(self)``, else :class:`IndexError`)."""
+        index = self._check_index(index)
+        self._ensure_open()
+        return self._get(index)
+
+    __getitem__ = get
+
+    def iter_range(self, start: int = 0, stop: int | None = None) -> Iterator[Sample]:
+        """Yield samples ``start..stop-1`` in order (empty when ``stop <= start``).
+
+        ``start``/``stop`` must lie in ``[0, len(self)]`` (else :class:`IndexError`). This is
+        the fast sequential path: each block/row group is decoded once.
+        """
+        n = len(self)
+        stop = n if stop is None else stop
+        if not (0 <= start <= n and 0 <= stop <= n):
+            raise IndexError(f"{self.path}: range [{start}, {stop}) outside [0, {n}]")
+        return self._iter_checked(start, stop)
+
+    def _iter_checked(self, start: int, stop: int) -> Iterator[Sample]:
+        if stop <= start:
+            return
+        self._ensure_open()
+        yield from self._iter_range(start, stop)
+
+    def __iter__(self) -> Iterator[Sample]:
+        return self.iter_range(0, len(self))
+
+    def close(self) -> None:
+        """Release the file handles; idempotent. The reader cannot be used afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pid is not None:
+            self._close_handles()
+        self._pid = None
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in self._HANDLE_ATTRS:
+            state[name] = None
+        state["_pid"] = None
+        return state
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self)} samples"
+        return f"<{type(self).__name__} {self.path!r} {state}>"
+
+
+class ShardWriter(abc.ABC):
+    """Write samples matching ``schema`` into one shard file at ``path``.
+
+    The file is written under a temporary name (``path + ".partial"``) and renamed into place
+    by :meth:`close`, so ``path`` only ever holds a complete shard. Used as a context manager,
+    an exception inside the ``with`` block aborts the shard (the partial file is removed).
+    Not thread-safe.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], schema: Schema) -> None:
+        from .codec import check_schema  # local import: codec imports ReaderError from here
+
+        self.path: str = os.fspath(path)
+        self.schema: Schema = check_schema(schema)
+        self.tmp_path: str = self.path + ".partial"
+        self._bytes = 0
+        self._count = 0
+        self._closed = False
+
+    @abc.abstractmethod
+    def _write(self, sample: Sample) -> int:
+        """Write one checked sample; return its payload size in bytes."""
+
+    @abc.abstractmethod
+    def _finish(self) -> None:
+        """Flush and finish the file at ``tmp_path`` (it is renamed afterwards)."""
+
+    @abc.abstractmethod
+    def _discard(self) -> None:
+        """Release handles without finishing (abort)."""
+
+    def write(self, sample: Sample) -> None:
+        """Append one sample; raises :class:`ValueError`/:class:`TypeError` if it does not
+        match the schema."""
+        from .codec import check_sample
+
+        if self._closed:
+            raise ValueError(f"{self.path}: writer is closed")
+        check_sample(sample, self.schema)
+        self._bytes += self._write(sample)
+        self._count += 1
+
+    @property
+    def bytes_written(self) -> int:
+        """Encoded payload bytes of the samples written so far (before compression)."""
+        return self._bytes
+
+    @property
+    def samples_written(self) -> int:
+        """Number of samples written so far."""
+        return self._count
+
+    def close(self) -> None:
+        """Finish the shard and move it to ``path``; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finish()
+        except BaseException:
+            self._discard()
+            _remove(self.tmp_path)
+            raise
+        os.replace(self.tmp_path, self.path)
+
+    def abort(self) -> None:
+        """Drop the shard being written (removes the partial file); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._discard()
+        _remove(self.tmp_path)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+@dataclass(frozen=True)
+class ShardFormat:
+    """A registered shard format: ``open(path, **kw)`` and ``ShardWriter(path, schema, **kw)``."""
+
+    name: str
+    extension: str
+    reader: Callable[..., ShardReader]
+    ShardWriter: Callable[..., ShardWriter]
+
+    def open(self, path: str | os.PathLike[str], **kw: Any) -> ShardReader:
+        """Open ``path`` as a shard of this format (raises :class:`ReaderError`)."""
+        return self.reader(path, **kw)

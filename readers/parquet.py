@@ -1,0 +1,233 @@
+"""Parquet shards (pyarrow): one row per sample, one column per field.
+
+Writer: columns by schema (``bytes`` -> binary, ``str`` -> string, ``int`` -> int64, ``float``
+-> float64, ``ndarray`` -> binary holding :func:`readers.codec.encode_field` bytes). The schema
+is stored as JSON under the key-value metadata key ``datacache.schema``. A row group is written
+every ``row_group_rows`` rows (or ``row_group_bytes`` buffered payload bytes).
+
+Reader: memory-mapped; row groups map to index ranges; ``get(i)`` reads one row group and keeps
+the last one decoded as Python columns. ``open(path, columns=[...])`` projects columns. Files
+without datacache metadata (any Parquet file, e.g. from Hugging Face) read too: values come out
+as pyarrow's ``to_pylist`` gives them, and :attr:`schema` reports binary -> ``bytes``, string
+-> ``str``, integer -> ``int``, floating -> ``float`` and any other type as ``"any"``.
+
+Thread safety: one reader or writer per thread.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .base import ReaderError, Sample, Schema, ShardFormat
+from .base import ShardReader as _BaseReader
+from .base import ShardWriter as _BaseWriter
+from .codec import decode_field, encode_field, schema_from_json, schema_to_json
+
+__all__ = ["ParquetShardReader", "ParquetShardWriter", "FORMAT", "SCHEMA_KEY"]
+
+SCHEMA_KEY = b"datacache.schema"
+_MAGIC = b"PAR1"
+_ARROW_TYPES: dict[str, pa.DataType] = {
+    "bytes": pa.binary(), "str": pa.string(), "int": pa.int64(), "float": pa.float64(),
+    "ndarray": pa.binary(),
+}
+_HINT_FORMAT = "Check the dataset's 'format' in manifest.json"
+_HINT_CORRUPT = "The file is truncated or corrupt; delete it so the cache fetches it again"
+
+
+def _to_column(kind: str, value: Any) -> tuple[Any, int]:
+    """Column value and payload size for one field."""
+    if kind == "ndarray" or kind == "bytes":
+        data = encode_field(kind, value)
+        return data, len(data)
+    if kind == "str":
+        return value, len(value.encode("utf-8"))
+    return (int(value), 8) if kind == "int" else (float(value), 8)
+
+
+class ParquetShardWriter(_BaseWriter):
+    """Write a Parquet shard; ``compression`` is any Parquet codec pyarrow supports."""
+
+    def __init__(self, path: str | os.PathLike[str], schema: Schema, *,
+                 row_group_rows: int = 1024, row_group_bytes: int = 64 << 20,
+                 compression: str = "zstd") -> None:
+        super().__init__(path, schema)
+        if row_group_rows < 1 or row_group_bytes < 1:
+            raise ValueError("row_group_rows and row_group_bytes must be >= 1")
+        self.row_group_rows, self.row_group_bytes = row_group_rows, row_group_bytes
+        self._arrow_schema = pa.schema(
+            [(field, _ARROW_TYPES[kind]) for field, kind in self.schema.items()],
+            metadata={SCHEMA_KEY: schema_to_json(self.schema).encode("utf-8")})
+        self._writer = pq.ParquetWriter(self.tmp_path, self._arrow_schema,
+                                        compression=compression)
+        self._columns: dict[str, list[Any]] = {field: [] for field in self.schema}
+        self._rows = 0
+        self._buffered = 0
+
+    def _write(self, sample: Sample) -> int:
+        size = 0
+        for field, kind in self.schema.items():
+            value, n = _to_column(kind, sample[field])
+            self._columns[field].append(value)
+            size += n
+        self._rows += 1
+        self._buffered += size
+        if self._rows >= self.row_group_rows or self._buffered >= self.row_group_bytes:
+            self._flush()
+        return size
+
+    def _flush(self) -> None:
+        if not self._rows:
+            return
+        arrays = [pa.array(self._columns[f], type=self._arrow_schema.field(f).type)
+                  for f in self.schema]  # may come back chunked above 2 GiB: fine for a table
+        table = pa.Table.from_arrays(arrays, schema=self._arrow_schema)
+        self._writer.write_table(table, row_group_size=self._rows)
+        self._columns = {field: [] for field in self.schema}
+        self._rows = self._buffered = 0
+
+    def _finish(self) -> None:
+        self._flush()
+        self._writer.close()
+
+    def _discard(self) -> None:
+        self._writer.close()
+
+
+def _derived_kind(dtype: pa.DataType) -> str:
+    if pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype) \
+            or pa.types.is_fixed_size_binary(dtype):
+        return "bytes"
+    if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+        return "str"
+    if pa.types.is_integer(dtype):
+        return "int"
+    return "float" if pa.types.is_floating(dtype) else "any"
+
+
+class ParquetShardReader(_BaseReader):
+    """Read a Parquet shard through a memory map, one row group at a time.
+
+    ``columns``: read only these top-level columns (samples then hold only them).
+    Not thread-safe: one reader per thread.
+    """
+
+    _HANDLE_ATTRS = ("_source", "_pf")
+
+    def __init__(self, path: str | os.PathLike[str], *,
+                 columns: Sequence[str] | None = None) -> None:
+        super().__init__(path)
+        self._requested = None if columns is None else list(columns)
+        self._source: Any = None
+        self._pf: pq.ParquetFile | None = None
+        self._ends: np.ndarray | None = None
+        self._cached: tuple[int, dict[str, list[Any]]] = (-1, {})
+        self._decoders: dict[str, Callable[[Any], Any]] = {}
+        self._ensure_open()
+
+    def _error(self, what: str, exc: BaseException | None = None) -> ReaderError:
+        detail = f" ({exc})" if exc is not None else ""
+        return ReaderError(f"{what}{detail}", path=self.path, hint=_HINT_CORRUPT)
+
+    def _open_handles(self) -> None:
+        with open(self.path, "rb") as f:
+            head = f.read(4)
+        if head != _MAGIC:
+            raise ReaderError(f"not a parquet shard (bad magic {head!r} at offset 0, expected "
+                              f"{_MAGIC!r})", path=self.path, hint=_HINT_FORMAT)
+        try:
+            self._source = pa.memory_map(self.path, "r")
+            self._pf = pq.ParquetFile(self._source)
+        except (pa.ArrowException, OSError) as exc:
+            raise self._error("truncated or corrupt parquet shard", exc) from None
+        if self._ends is None:
+            self._load_metadata(self._pf)
+        elif self._pf.metadata.num_rows != len(self):
+            raise self._error("parquet shard changed since it was opened")
+
+    def _close_handles(self) -> None:
+        if self._pf is not None:
+            self._pf.close()
+        if self._source is not None:
+            self._source.close()
+        self._source = self._pf = None
+
+    def _load_metadata(self, pf: pq.ParquetFile) -> None:
+        meta = pf.metadata
+        counts = [meta.row_group(k).num_rows for k in range(meta.num_row_groups)]
+        if sum(counts) != meta.num_rows:
+            raise self._error("row group sizes do not add up to the row count")
+        self._ends = np.cumsum(np.asarray(counts, dtype=np.int64))
+        arrow = pf.schema_arrow
+        stored = (arrow.metadata or {}).get(SCHEMA_KEY)
+        kinds = schema_from_json(stored, self.path) if stored is not None else \
+            {f.name: _derived_kind(f.type) for f in arrow}
+        missing = [name for name in (self._requested or kinds) if name not in arrow.names]
+        if missing:
+            raise ReaderError(f"parquet shard has no column(s) {missing}", path=self.path,
+                              hint=f"Available columns: {arrow.names}")
+        names = self._requested if self._requested is not None else list(kinds)
+        self.schema = {name: kinds.get(name, "any") for name in names}
+        self._decoders = {
+            name: self._ndarray_decoder(name) for name in names
+            if stored is not None and kinds.get(name) == "ndarray"}
+
+    def _ndarray_decoder(self, name: str) -> Callable[[Any], Any]:
+        def decode(raw: Any) -> Any:
+            if raw is None:
+                return None
+            try:
+                return decode_field("ndarray", raw)
+            except ReaderError as exc:
+                raise self._error(f"column {name!r}: {exc}") from None
+        return decode
+
+    def __len__(self) -> int:
+        assert self._ends is not None
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def _row_group(self, group: int) -> dict[str, list[Any]]:
+        if self._cached[0] == group:
+            return self._cached[1]
+        assert self._pf is not None and self.schema is not None
+        names = list(self.schema)
+        try:
+            table = self._pf.read_row_group(group, columns=names, use_threads=False)
+        except (pa.ArrowException, OSError) as exc:
+            raise self._error(f"row group {group} cannot be read", exc) from None
+        columns = {name: table.column(name).to_pylist() for name in names}
+        self._cached = (group, columns)
+        return columns
+
+    def _row(self, columns: dict[str, list[Any]], local: int) -> Sample:
+        sample = {name: values[local] for name, values in columns.items()}
+        for name, decode in self._decoders.items():
+            sample[name] = decode(sample[name])
+        return sample
+
+    def _group_start(self, group: int) -> int:
+        assert self._ends is not None
+        return int(self._ends[group - 1]) if group else 0
+
+    def _get(self, index: int) -> Sample:
+        assert self._ends is not None
+        group = int(np.searchsorted(self._ends, index, side="right"))
+        return self._row(self._row_group(group), index - self._group_start(group))
+
+    def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:
+        assert self._ends is not None
+        group, i = int(np.searchsorted(self._ends, start, side="right")), start
+        while i < stop:
+            base, end = self._group_start(group), min(stop, int(self._ends[group]))
+            columns = self._row_group(group) if end > i else {}
+            for j in range(i, end):
+                yield self._row(columns, j - base)
+            i, group = end, group + 1
+
+
+FORMAT = ShardFormat(name="parquet", extension=".parquet", reader=ParquetShardReader,
+                     ShardWriter=ParquetShardWriter)

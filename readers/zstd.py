@@ -1,0 +1,337 @@
+"""The native ``.dcz`` shard format: samples packed into zstd-compressed blocks plus an index.
+
+Layout (integers little-endian)::
+
+    b"DCZ1"                                   magic
+    [dictionary]                              optional zstd dictionary (raw bytes)
+    block 0 .. block B-1                      one zstd frame each (content size + checksum)
+    index:  u32 schema_len, u64 dict_offset, u64 dict_length, u64 block_count,
+            schema JSON, B x (u64 file_offset, u64 compressed_len, u64 raw_len, u64 first_sample),
+            N x (u64 offset_in_block, u64 length)
+    footer: u64 index_offset, u64 index_length, u64 sample_count, u32 crc32(index), b"DCZ1"
+
+Each block holds the :func:`readers.codec.encode_sample` bytes of consecutive samples (about
+``block_bytes`` raw; a larger sample gets a block of its own), so ``get(i)`` decompresses one
+block. Every declared size is validated against the file size and ``max_block_bytes`` before
+use, and a block is decompressed into a buffer of exactly its validated raw length, so a crafted
+file (or a zstd bomb) raises :class:`ReaderError` instead of allocating unbounded memory.
+
+Thread safety: one reader or writer per thread.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zlib
+from array import array
+from typing import Any, Iterator
+
+import numpy as np
+import zstandard
+
+from .base import ReaderError, Sample, Schema, ShardFormat
+from .base import ShardReader as _BaseReader
+from .base import ShardWriter as _BaseWriter
+from .codec import decode_sample, encode_sample, schema_from_json, schema_to_json
+
+__all__ = ["ZstdShardReader", "ZstdShardWriter", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
+           "DEFAULT_MAX_BLOCK_BYTES"]
+
+MAGIC = b"DCZ1"
+DEFAULT_BLOCK_BYTES = 1 << 20
+DEFAULT_MAX_BLOCK_BYTES = 1 << 30
+_FOOTER = struct.Struct("<QQQI4s")
+_HEAD = struct.Struct("<IQQQ")
+_BLOCK_ROW, _SAMPLE_ROW = 32, 16
+_HINT_FORMAT = "Check the dataset's 'format' in manifest.json"
+_HINT_CORRUPT = "The file is truncated or corrupt; delete it so the cache fetches it again"
+
+
+def _encode_index(schema: Schema, dict_offset: int, dict_length: int,
+                  blocks: array, samples: array) -> bytes:
+    """Serialize the index (``blocks``/``samples`` are flat u64 arrays)."""
+    schema_json = schema_to_json(schema).encode("utf-8")
+    head = _HEAD.pack(len(schema_json), dict_offset, dict_length, len(blocks) // 4)
+    return b"".join((head, schema_json, _u64_bytes(blocks), _u64_bytes(samples)))
+
+
+def _u64_bytes(values: array) -> bytes:
+    return np.asarray(values, dtype="<u8").tobytes()
+
+
+def _encode_footer(index_offset: int, index: bytes, sample_count: int) -> bytes:
+    return _FOOTER.pack(index_offset, len(index), sample_count, zlib.crc32(index), MAGIC)
+
+
+class ZstdShardWriter(_BaseWriter):
+    """Write a ``.dcz`` shard.
+
+    ``block_bytes``: target raw bytes per block. ``level``: zstd level. ``dictionary``: a
+    :class:`zstandard.ZstdCompressionDict` to compress with (stored in the file), or
+    ``train_dictionary=True`` to train one of ``dict_size`` bytes on the first
+    ``dict_train_samples`` samples (if training fails, e.g. too little data, no dictionary is
+    used).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], schema: Schema, *,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, level: int = 3,
+                 dictionary: zstandard.ZstdCompressionDict | None = None,
+                 train_dictionary: bool = False, dict_train_samples: int = 1024,
+                 dict_size: int = 64 * 1024,
+                 max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES) -> None:
+        super().__init__(path, schema)
+        if not 1 <= block_bytes <= max_block_bytes:
+            raise ValueError(f"block_bytes must be in [1, {max_block_bytes}], got {block_bytes}")
+        if dictionary is not None and train_dictionary:
+            raise ValueError("pass either dictionary= or train_dictionary=True, not both")
+        self.block_bytes, self.level, self.max_block_bytes = block_bytes, level, max_block_bytes
+        self._dict_train_samples, self._dict_size = dict_train_samples, dict_size
+        self._file = open(self.tmp_path, "wb")
+        self._file.write(MAGIC)
+        self._cctx: zstandard.ZstdCompressor | None = None
+        self._dict_span = (0, 0)
+        self._pending: list[bytes] = []
+        self._block: list[bytes] = []
+        self._block_size = 0
+        self._block_first = 0
+        self._blocks: array = array("Q")
+        self._samples: array = array("Q")
+        if not train_dictionary:
+            self._start(dictionary)
+
+    def _start(self, dictionary: zstandard.ZstdCompressionDict | None) -> None:
+        if dictionary is not None:
+            data = dictionary.as_bytes()
+            self._dict_span = (self._file.tell(), len(data))
+            self._file.write(data)
+        self._cctx = zstandard.ZstdCompressor(level=self.level, dict_data=dictionary,
+                                              write_checksum=True, write_content_size=True)
+
+    def _train(self) -> None:
+        dictionary = None
+        try:
+            dictionary = zstandard.train_dictionary(self._dict_size, self._pending)
+        except zstandard.ZstdError:  # too few / too small samples: compress without one
+            pass
+        self._start(dictionary)
+        pending, self._pending = self._pending, []
+        for data in pending:
+            self._add(data)
+
+    def _write(self, sample: Sample) -> int:
+        data = encode_sample(sample, self.schema)
+        if len(data) > self.max_block_bytes:
+            raise ValueError(f"{self.path}: sample of {len(data)} bytes exceeds "
+                             f"max_block_bytes={self.max_block_bytes}")
+        if self._cctx is None:
+            self._pending.append(data)
+            if len(self._pending) >= self._dict_train_samples:
+                self._train()
+        else:
+            self._add(data)
+        return len(data)
+
+    def _add(self, data: bytes) -> None:
+        if self._block and self._block_size + len(data) > self.block_bytes:
+            self._flush()
+        self._samples.extend((self._block_size, len(data)))
+        self._block.append(data)
+        self._block_size += len(data)
+        if self._block_size >= self.block_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        assert self._cctx is not None
+        raw = b"".join(self._block)
+        frame = self._cctx.compress(raw)
+        self._blocks.extend((self._file.tell(), len(frame), len(raw), self._block_first))
+        self._file.write(frame)
+        self._block_first += len(self._block)
+        self._block, self._block_size = [], 0
+
+    def _finish(self) -> None:
+        if self._cctx is None:
+            self._train()
+        if self._block:
+            self._flush()
+        index = _encode_index(self.schema, *self._dict_span, self._blocks, self._samples)
+        offset = self._file.tell()
+        self._file.write(index)
+        self._file.write(_encode_footer(offset, index, len(self._samples) // 2))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+    def _discard(self) -> None:
+        self._file.close()
+
+
+class ZstdShardReader(_BaseReader):
+    """Read a ``.dcz`` shard through ``mmap``; keeps the last decompressed block.
+
+    ``max_block_bytes`` caps the raw size a block may declare (default 1 GiB).
+    Not thread-safe: one reader per thread.
+    """
+
+    _HANDLE_ATTRS = ("_file", "_mmap", "_dctx")
+
+    def __init__(self, path: str | os.PathLike[str], *,
+                 max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES) -> None:
+        super().__init__(path)
+        self.max_block_bytes = max_block_bytes
+        self._file: Any = None
+        self._mmap: mmap.mmap | None = None
+        self._dctx: zstandard.ZstdDecompressor | None = None
+        self._size = -1
+        self._dict_bytes: bytes | None = None
+        self._cached: tuple[int, bytes] = (-1, b"")
+        self._ensure_open()
+
+    def _corrupt(self, what: str) -> ReaderError:
+        return ReaderError(f"corrupt dcz shard: {what}", path=self.path, hint=_HINT_CORRUPT)
+
+    def _open_handles(self) -> None:
+        self._file = open(self.path, "rb")
+        size = os.fstat(self._file.fileno()).st_size
+        if self._size >= 0 and size != self._size:
+            raise self._corrupt(f"file size changed from {self._size} to {size} bytes")
+        head = os.pread(self._file.fileno(), len(MAGIC), 0)
+        if head != MAGIC:
+            raise ReaderError(f"not a dcz shard (bad magic {head[:4]!r} at offset 0, expected "
+                              f"{MAGIC!r})", path=self.path, hint=_HINT_FORMAT)
+        if size < len(MAGIC) + _FOOTER.size:
+            raise self._corrupt(f"only {size} bytes, too small for a footer")
+        self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        if self._size < 0:
+            self._parse(size)
+            self._size = size
+        try:
+            self._dctx = zstandard.ZstdDecompressor(
+                dict_data=None if self._dict_bytes is None
+                else zstandard.ZstdCompressionDict(self._dict_bytes))
+        except zstandard.ZstdError as exc:
+            raise self._corrupt(f"invalid zstd dictionary ({exc})") from None
+
+    def _close_handles(self) -> None:
+        if self._mmap is not None:
+            self._mmap.close()
+        if self._file is not None:
+            self._file.close()
+        self._file = self._mmap = self._dctx = None
+
+    def _parse(self, size: int) -> None:
+        """Read and validate footer and index (all sizes checked before use)."""
+        assert self._mmap is not None
+        io, il, n, crc, magic = _FOOTER.unpack_from(self._mmap, size - _FOOTER.size)
+        if magic != MAGIC:
+            raise self._corrupt("no footer magic at the end of the file")
+        if io < len(MAGIC) or il != size - _FOOTER.size - io:
+            raise self._corrupt(f"index span ({io}, {il}) does not fit the file")
+        index = self._mmap[io:io + il]
+        if zlib.crc32(index) != crc:
+            raise self._corrupt("index checksum mismatch")
+        if il < _HEAD.size:
+            raise self._corrupt("index too short")
+        schema_len, dict_off, dict_len, nblocks = _HEAD.unpack_from(index, 0)
+        pos = _HEAD.size + schema_len
+        if pos > il or nblocks > (il - pos) // _BLOCK_ROW:
+            raise self._corrupt("index header declares more data than the index holds")
+        self.schema = schema_from_json(index[_HEAD.size:pos], self.path)
+        if il - pos - nblocks * _BLOCK_ROW != n * _SAMPLE_ROW:
+            raise self._corrupt(f"sample table does not match the sample count {n}")
+        self._check_dict(dict_off, dict_len, io)
+        blocks = np.frombuffer(index, "<u8", nblocks * 4, pos).reshape(nblocks, 4)
+        samples = np.frombuffer(index, "<u8", n * 2, pos + nblocks * _BLOCK_ROW).reshape(n, 2)
+        self._check_blocks(blocks, n, io)
+        self._check_samples(blocks, samples, n)
+        self._blocks, self._samples, self._n = blocks, samples, n
+        self._first = blocks[:, 3]
+
+    def _check_dict(self, offset: int, length: int, index_offset: int) -> None:
+        if length == 0:
+            return
+        if length > self.max_block_bytes or not len(MAGIC) <= offset <= index_offset - length:
+            raise self._corrupt(f"dictionary span ({offset}, {length}) is invalid")
+        assert self._mmap is not None
+        self._dict_bytes = self._mmap[offset:offset + length]
+
+    def _check_blocks(self, blocks: np.ndarray, n: int, index_offset: int) -> None:
+        if (len(blocks) == 0) != (n == 0):
+            raise self._corrupt(f"{len(blocks)} blocks for {n} samples")
+        if not len(blocks):
+            return
+        off, clen, rlen, first = blocks.T
+        with np.errstate(over="ignore"):
+            spans_ok = (off >= len(MAGIC)) & (clen >= 1) & (clen <= index_offset) \
+                & (off <= index_offset - clen)
+        if not spans_ok.all():
+            raise self._corrupt("a block lies outside the data region")
+        if ((rlen < 1) | (rlen > self.max_block_bytes)).any():
+            raise self._corrupt(f"a block declares a raw size above max_block_bytes="
+                                f"{self.max_block_bytes} (or zero)")
+        if first[0] != 0 or (first >= n).any() or (np.diff(first.astype(np.int64)) <= 0).any():
+            raise self._corrupt("block sample ranges are not increasing")
+
+    def _check_samples(self, blocks: np.ndarray, samples: np.ndarray, n: int) -> None:
+        if n == 0:
+            return
+        counts = np.diff(np.append(blocks[:, 3], np.uint64(n)).astype(np.int64))
+        raw = np.repeat(blocks[:, 2], counts)
+        off, length = samples[:, 0], samples[:, 1]
+        with np.errstate(over="ignore"):
+            ok = (off <= raw) & (length <= raw - off)
+        if not ok.all():
+            raise self._corrupt(f"sample {int(np.argmin(ok))} lies outside its block")
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _block_of(self, index: int) -> int:
+        return int(np.searchsorted(self._first, index, side="right")) - 1
+
+    def _block_end(self, block: int) -> int:
+        return int(self._first[block + 1]) if block + 1 < len(self._first) else self._n
+
+    def _block(self, block: int) -> bytes:
+        if self._cached[0] == block:
+            return self._cached[1]
+        off, clen, rlen = (int(v) for v in self._blocks[block, :3])
+        assert self._mmap is not None and self._dctx is not None
+        frame = self._mmap[off:off + clen]
+        try:
+            declared = zstandard.frame_content_size(frame)
+            if declared != rlen:  # also rejects "unknown size" (-1) frames
+                raise self._corrupt(f"block {block} frame declares {declared} bytes, the index "
+                                    f"{rlen}")
+            data = self._dctx.decompress(frame, allow_extra_data=False)
+        except zstandard.ZstdError as exc:
+            raise self._corrupt(f"block {block} does not decompress ({exc})") from None
+        if len(data) != rlen:
+            raise self._corrupt(f"block {block} decompressed to {len(data)} bytes, not {rlen}")
+        self._cached = (block, data)
+        return data
+
+    def _decode(self, data: memoryview, offset: int, length: int, index: int) -> Sample:
+        try:
+            return decode_sample(data[offset:offset + length], self.schema or {})
+        except ReaderError as exc:
+            raise self._corrupt(f"sample {index}: {exc}") from None
+
+    def _get(self, index: int) -> Sample:
+        block = self._block_of(index)
+        offset, length = (int(v) for v in self._samples[index])
+        return self._decode(memoryview(self._block(block)), offset, length, index)
+
+    def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:
+        block, i = self._block_of(start), start
+        while i < stop:
+            data = memoryview(self._block(block))
+            end = min(stop, self._block_end(block))
+            for j, (offset, length) in enumerate(self._samples[i:end].tolist(), i):
+                yield self._decode(data, offset, length, j)
+            i, block = end, block + 1
+
+
+FORMAT = ShardFormat(name="zstd", extension=".dcz", reader=ZstdShardReader,
+                     ShardWriter=ZstdShardWriter)

@@ -1,0 +1,72 @@
+"""Shared fixtures: one SeaweedFS S3 server per test session, fresh prefixes, SlowLink proxies.
+
+The S3 server is a real ``weed mini`` process (tools/s3server.py) on free loopback ports; it starts
+in ~1-10 s, is shared by the whole session and is stopped even when tests fail.
+"""
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.s3server import SeaweedServer  # noqa: E402
+from tools.slowlink import SlowLink  # noqa: E402
+
+TEST_BUCKET = "datacache-test"
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[SeaweedServer]:
+    """The session's SeaweedFS server (bucket ``datacache-test``, credentials enforced)."""
+    server = SeaweedServer(bucket=TEST_BUCKET)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def make_s3_url(s3_server: SeaweedServer) -> Callable[[], str]:
+    """Factory of fresh, unique, empty prefixes ``s3://<bucket>/<uuid>/``."""
+    return lambda: f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/"
+
+
+@pytest.fixture
+def s3_store_url(make_s3_url: Callable[[], str]) -> str:
+    """A fresh unique prefix ``s3://<bucket>/<uuid>/`` on the session server."""
+    return make_s3_url()
+
+
+@pytest.fixture
+def s3_storage_options(s3_server: SeaweedServer) -> dict[str, Any]:
+    """storage_options (key, secret, client_kwargs.endpoint_url) for the session server."""
+    return s3_server.storage_options()
+
+
+@pytest.fixture
+def slowlink(s3_server: SeaweedServer) -> Iterator[Callable[..., SlowLink]]:
+    """Factory: ``slowlink(bandwidth=..., latency=..., fail_every=...)`` starts a SlowLink in front of
+    the session server; use ``s3_server.storage_options(link.endpoint_url)``. All are stopped after
+    the test."""
+    links: list[SlowLink] = []
+
+    def make(**kwargs: Any) -> SlowLink:
+        kwargs.setdefault("bandwidth", 0)
+        kwargs.setdefault("latency", 0.0)
+        link = SlowLink("127.0.0.1", s3_server.port, **kwargs).start()
+        links.append(link)
+        return link
+
+    try:
+        yield make
+    finally:
+        for link in links:
+            link.stop()

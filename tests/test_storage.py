@@ -1,0 +1,297 @@
+"""datacache.storage against a real S3 server (SeaweedFS) and the local file system."""
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from datacache import _retry
+from datacache.config import RetryConfig, TransferConfig
+from datacache.errors import (
+    IntegrityError,
+    NotFoundError,
+    PermissionDeniedError,
+    StorageError,
+    TransientStorageError,
+)
+from datacache.storage import Store, open_store
+
+PART = 16 * 1024
+TRANSFER = TransferConfig(part_bytes=PART, concurrency=4, timeout=10)
+FAST_RETRY = RetryConfig(attempts=8, base_delay=0.01, max_delay=0.05, deadline=20)
+SECRET = "SuperSecret-Do-Not-Leak-4f1c9e"
+
+
+@pytest.fixture(params=["s3", "file"])
+def location(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any] | None]:
+    """(url, storage_options) of a fresh empty dataset prefix on each backend."""
+    if request.param == "s3":
+        server = request.getfixturevalue("s3_server")
+        return f"s3://{server.bucket}/{uuid.uuid4().hex}/", server.storage_options()
+    return f"file://{tmp_path}/ds", None
+
+
+@pytest.fixture
+def store(location: tuple[str, dict[str, Any] | None]) -> Store:
+    url, opts = location
+    with open_store(url, opts, transfer=TRANSFER, retry=FAST_RETRY) as s:
+        yield s
+
+
+SIZES = {"empty": 0, "small": 1000, "one_part": PART, "parts_and_rest": 3 * PART + 123}
+
+
+def test_round_trip_sizes(store: Store, tmp_path: Any) -> None:
+    blobs = {f"d/{k}.bin": os.urandom(n) for k, n in SIZES.items()}
+    for name, data in blobs.items():
+        store.write_bytes(name, data)
+    assert store.list() == sorted((k, len(v)) for k, v in blobs.items())
+    for name, data in blobs.items():
+        assert store.size(name) == len(data)
+        assert store.exists(name)
+        assert store.read_bytes(name) == data
+        assert store.read_bytes(name, size=len(data)) == data
+        target = tmp_path / "fill.tmp"
+        target.write_bytes(b"")
+        seen: list[int] = []
+        assert store.read_into(name, str(target), size=len(data), on_bytes=seen.append) == len(data)
+        assert target.read_bytes() == data
+        assert sum(seen) == len(data)
+    big = blobs["d/parts_and_rest.bin"]
+    assert store.read_range("d/parts_and_rest.bin", PART - 10, 2 * PART + 5) == big[PART - 10:2 * PART + 5]
+    assert store.read_range("d/parts_and_rest.bin", 5, 5) == b""
+    stats = store.stats()
+    assert stats["bytes_read"] >= 2 * sum(SIZES.values()) and stats["retries"] == 0
+    for name in blobs:
+        store.delete(name)
+        assert not store.exists(name)
+    store.delete("d/empty.bin")  # deleting twice is fine
+    assert store.list() == []
+
+
+def test_list_prefix_put_file_and_url(store: Store, tmp_path: Any) -> None:
+    local = tmp_path / "up.bin"
+    local.write_bytes(b"x" * 5000)
+    store.put_file(str(local), "shards/a/000.bin")
+    store.write_bytes("shards/b.bin", b"yy")
+    store.write_bytes("manifest.json", b"{}")
+    assert store.list("shards/") == [("shards/a/000.bin", 5000), ("shards/b.bin", 2)]
+    assert store.list("shards/a") == [("shards/a/000.bin", 5000)]
+    assert store.list("nothing/") == []
+    assert store.url.endswith("/") and store.url_of("manifest.json") == store.url + "manifest.json"
+    with pytest.raises(ValueError):
+        store.url_of("../escape")
+
+
+def test_integrity_when_size_is_wrong(store: Store) -> None:
+    store.write_bytes("obj", b"z" * (2 * PART + 7))
+    with pytest.raises(IntegrityError, match="larger"):
+        store.read_bytes("obj", size=2 * PART)
+    with pytest.raises(IntegrityError, match="expected at least") as info:
+        store.read_bytes("obj", size=3 * PART)
+    assert store.url_of("obj") in str(info.value)
+
+
+def test_missing_object(store: Store) -> None:
+    for call in (lambda: store.read_bytes("nope.bin"), lambda: store.read_bytes("nope.bin", size=10),
+                 lambda: store.size("nope.bin"), lambda: store.read_range("nope.bin", 0, 4)):
+        with pytest.raises(NotFoundError) as info:
+            call()
+        assert store.url_of("nope.bin") in str(info.value)
+        assert "manifest.json" in str(info.value)  # says what to check
+        assert isinstance(info.value, FileNotFoundError) and info.value.__cause__ is not None
+    assert not store.exists("nope.bin")
+
+
+def test_missing_bucket(s3_server: Any) -> None:
+    url = f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/data/"
+    with open_store(url, s3_server.storage_options(), retry=FAST_RETRY) as store:
+        for call in (lambda: store.read_bytes("m.json", size=3), lambda: store.size("m.json"),
+                     lambda: store.list()):
+            with pytest.raises(NotFoundError) as info:
+                call()
+            assert url in str(info.value)
+
+
+def test_wrong_credentials_are_permission_denied_and_never_leak(s3_server: Any, s3_store_url: str) -> None:
+    good = open_store(s3_store_url, s3_server.storage_options())
+    good.write_bytes("x.bin", b"hello")
+    opts = {"key": "AKIAWRONGKEY12345", "secret": SECRET,
+            "client_kwargs": {"endpoint_url": s3_server.endpoint_url, "region_name": "us-east-1"}}
+    with open_store(s3_store_url, opts, retry=FAST_RETRY) as store:
+        for call in (lambda: store.read_bytes("x.bin", size=5), lambda: store.size("x.bin")):
+            with pytest.raises(PermissionDeniedError) as info:
+                call()
+            text = str(info.value)
+            assert store.url_of("x.bin") in text and "AWS_ACCESS_KEY_ID" in text
+            assert SECRET not in text and "AKIAWRONGKEY12345" not in text
+            assert isinstance(info.value, PermissionError)
+        assert SECRET not in repr(store) and SECRET not in str(store.stats())
+        assert store.stats()["retries"] == 0  # permanent errors are not retried
+    good.close()
+
+
+def test_transient_503_is_retried(s3_server: Any, s3_store_url: str, slowlink: Any) -> None:
+    data = os.urandom(5 * PART + 11)
+    open_store(s3_store_url, s3_server.storage_options()).write_bytes("o.bin", data)
+    link = slowlink(fail_every=3)
+    with open_store(s3_store_url, s3_server.storage_options(link.endpoint_url), transfer=TRANSFER,
+                    retry=FAST_RETRY) as store:
+        assert store.read_bytes("o.bin", size=len(data)) == data
+        assert store.read_bytes("o.bin") == data
+        stats = store.stats()
+    assert link.injected >= 1 and stats["retries"] >= 1
+    assert stats["errors"].get("TransientStorageError", 0) == stats["retries"]
+
+
+def test_connection_reset_mid_body_is_retried(s3_server: Any, s3_store_url: str, slowlink: Any,
+                                              tmp_path: Any) -> None:
+    data = os.urandom(6 * PART)
+    open_store(s3_store_url, s3_server.storage_options()).write_bytes("o.bin", data)
+    link = slowlink(reset_every=2)
+    with open_store(s3_store_url, s3_server.storage_options(link.endpoint_url), transfer=TRANSFER,
+                    retry=FAST_RETRY) as store:
+        target = tmp_path / "o.tmp"
+        target.write_bytes(b"")
+        assert store.read_into("o.bin", str(target), size=len(data)) == len(data)
+        assert target.read_bytes() == data
+        assert store.stats()["retries"] >= 1
+    assert link.injected >= 1
+
+
+@pytest.mark.timeout(60)
+def test_always_failing_store_gives_up_bounded(s3_server: Any, s3_store_url: str, slowlink: Any) -> None:
+    link = slowlink(fail_every=1)
+    retry = RetryConfig(attempts=3, base_delay=0.01, max_delay=0.05, deadline=30)
+    with open_store(s3_store_url, s3_server.storage_options(link.endpoint_url), retry=retry) as store:
+        t0 = time.monotonic()
+        with pytest.raises(TransientStorageError) as info:
+            store.read_bytes("o.bin", size=100)
+        assert time.monotonic() - t0 < 20
+        assert store.url_of("o.bin") in str(info.value) and "3 attempts" in str(info.value)
+        assert store.stats()["retries"] == 2 and link.requests == 3
+    # the deadline bounds it too, however many attempts are allowed
+    retry = RetryConfig(attempts=1000, base_delay=0.05, max_delay=0.1, deadline=0.5)
+    with open_store(s3_store_url, s3_server.storage_options(link.endpoint_url), retry=retry) as store:
+        t0 = time.monotonic()
+        with pytest.raises(TransientStorageError):
+            store.size("o.bin")
+        assert time.monotonic() - t0 < 10 and store.stats()["requests"] < 1000
+
+
+def test_short_read_is_retried(tmp_path: Any) -> None:
+    store = open_store(str(tmp_path), transfer=TRANSFER, retry=FAST_RETRY)
+    data = os.urandom(3 * PART)
+    store.write_bytes("o.bin", data)
+    fs = store._ensure()[0]
+    real, calls = fs.cat_file, []
+
+    def flaky(path: str, start: int | None = None, end: int | None = None, **kw: Any) -> bytes:
+        calls.append(start)
+        out = real(path, start=start, end=end, **kw)
+        return out[: len(out) // 2] if len(calls) == 2 else out
+
+    fs.cat_file = flaky
+    assert store.read_bytes("o.bin", size=len(data)) == data
+    assert store.stats()["retries"] == 1
+
+
+def test_io_threads_are_named_and_store_is_thread_safe(store: Store) -> None:
+    data = os.urandom(8 * PART)
+    store.write_bytes("t.bin", data)
+    results: list[bool] = []
+
+    def reader() -> None:
+        results.append(store.read_bytes("t.bin", size=len(data)) == data)
+
+    threads = [threading.Thread(target=reader, name=f"test-reader-{i}") for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == [True] * 4
+    assert any(t.name.startswith("datacache-io-") for t in threading.enumerate())
+
+
+def test_fork_child_reads_through_parent_store(store: Store) -> None:
+    data = os.urandom(3 * PART + 5)
+    store.write_bytes("f.bin", data)
+    assert store.read_bytes("f.bin") == data  # parent's filesystem, loop and pool now exist
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: must build its own filesystem instance and pool
+        code = 1
+        try:
+            os.close(r)
+            ok = store.read_bytes("f.bin", size=len(data)) == data and store.size("f.bin") == len(data)
+            os.write(w, b"ok" if ok else b"bad")
+            code = 0
+        except BaseException as exc:  # report, never run the parent's test machinery
+            os.write(w, repr(exc).encode()[:500])
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("forked child hung reading through the store")
+        time.sleep(0.02)
+    with os.fdopen(r, "rb") as f:
+        assert f.read() == b"ok"
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.read_bytes("f.bin") == data  # parent unaffected
+
+
+def test_endpoint_from_environment(s3_server: Any, s3_store_url: str, monkeypatch: Any) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    opts = {"key": s3_server.access_key, "secret": s3_server.secret_key}
+    with open_store(s3_store_url, opts) as store:
+        store.write_bytes("e.bin", b"env")
+        assert store.read_bytes("e.bin") == b"env"
+
+
+def test_closed_store_and_pickle(tmp_path: Any) -> None:
+    store = open_store(str(tmp_path), {"password": SECRET})
+    store.write_bytes("p", b"1")
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.read_bytes("p") == b"1" and clone.url == store.url
+    store.close()
+    store.close()
+    with pytest.raises(StorageError, match="closed"):
+        store.read_bytes("p")
+    assert SECRET not in repr(store)
+
+
+class _FakeClientError(Exception):
+    def __init__(self, code: str, status: int) -> None:
+        super().__init__(f"An error occurred ({code})")
+        self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+@pytest.mark.parametrize("exc, kind", [
+    (_FakeClientError("SlowDown", 503), "transient"),
+    (_FakeClientError("InternalError", 500), "transient"),
+    (_FakeClientError("NoSuchKey", 404), "not_found"),
+    (_FakeClientError("NoSuchBucket", 404), "not_found"),
+    (_FakeClientError("SignatureDoesNotMatch", 403), "permission"),
+    (_FakeClientError("InvalidRange", 416), "permanent"),
+    (ConnectionResetError(104, "reset"), "transient"),
+    (TimeoutError(), "transient"),
+    (type("ClientPayloadError", (Exception,), {})("cut"), "transient"),
+    (ValueError("bug"), "permanent"),
+])
+def test_classification(exc: BaseException, kind: str) -> None:
+    assert _retry.classify(exc) == kind
+    wrapped = OSError(5, "wrapped")
+    wrapped.__cause__ = exc
+    assert _retry.classify(wrapped) == kind
