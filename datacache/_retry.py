@@ -20,6 +20,7 @@ the caller and therefore thread-safe.
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from typing import Callable, Iterator, Literal, TypeVar
@@ -38,14 +39,14 @@ __all__ = ["Kind", "ShortReadError", "classify", "backoff_delay", "retry_call", 
 T = TypeVar("T")
 Kind = Literal["transient", "not_found", "permission", "permanent"]
 
-NOT_FOUND_HINT = "check the bucket name and that the prefix holds a datacache dataset (manifest.json)"
+NOT_FOUND_HINT = "Check the bucket name and that the prefix holds a datacache dataset (manifest.json)"
 PERMISSION_HINT = (
-    "check credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or storage_options key/secret "
+    "Check credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or storage_options key/secret "
     "(and token), and that they may read this bucket"
 )
-PERMANENT_HINT = "this error is not retried; check the URL, the object name and storage_options"
+PERMANENT_HINT = "This error is not retried; check the URL, the object name and storage_options"
 TRANSIENT_HINT = (
-    "the store is unavailable, throttling or the network is failing; retry later, or raise "
+    "The store is unavailable, throttling or the network is failing; retry later or raise "
     "RetryConfig.attempts/deadline"
 )
 
@@ -154,7 +155,7 @@ def describe(exc: BaseException, redact: Callable[[str], str] = lambda s: s) -> 
         if _response_of(e) is not None:
             best = e
             break
-    text = str(best).strip() or repr(best)
+    text = re.sub(r" \(reached max retries: \d+\)", "", str(best).strip() or repr(best))
     if len(text) > 300:
         text = text[:297] + "..."
     return redact(f"{type(best).__name__}: {text}")

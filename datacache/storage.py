@@ -186,14 +186,14 @@ class Store:
             return fs, pool
         with self._lock:
             if self._closed:
-                raise StorageError("the store is closed", url=self.url, hint="open a new one with open_store()")
+                raise StorageError("the store is closed", url=self.url, hint="Open a new one with open_store()")
             if self._fs is None:
                 try:
                     fs = fsspec.filesystem(self.protocol, **self._options)
                 except Exception as exc:
                     raise StorageError(
                         f"cannot create a {self.protocol!r} filesystem ({self._redact(f'{type(exc).__name__}: {exc}')})",
-                        url=self.url, hint="check the URL scheme and storage_options; a missing backend "
+                        url=self.url, hint="Check the URL scheme and storage_options; a missing backend "
                         "package (s3fs, gcsfs, adlfs) must be installed") from exc
                 if self.protocol in _S3:
                     fs.retries = 1  # one attempt per s3fs call (a class attribute): RetryConfig rules
@@ -235,7 +235,7 @@ class Store:
         info = self._call("size", name, lambda fs, p: fs.info(p))
         if info.get("type") == "directory":
             raise NotFoundError("size: this is a prefix (directory), not an object", url=self.url_of(name),
-                                hint="check the object name")
+                                hint="Check the object name")
         return int(info["size"])
 
     def exists(self, name: str) -> bool:
@@ -342,13 +342,13 @@ class Store:
             data = fs.cat_file(path, start=start, end=end + extra)
             if len(data) > want:
                 raise IntegrityError(f"object is larger than the expected {total} bytes", url=self.url_of(name),
-                                     hint="the object was replaced; rebuild or refresh the manifest")
+                                     hint="The object was replaced; rebuild or refresh the manifest")
             if len(data) < want:
                 actual = int(fs.info(path)["size"])
                 if actual < end:
                     raise IntegrityError(
                         f"object is {actual} bytes, expected at least {end}", url=self.url_of(name),
-                        hint="the object was replaced or truncated; rebuild or refresh the manifest")
+                        hint="The object was replaced or truncated; rebuild or refresh the manifest")
                 raise ShortReadError(f"short read: got {len(data)} of {want} bytes at offset {start}")
             return data
 
@@ -364,7 +364,7 @@ class Store:
             data = self._call("read", name, lambda fs, p: fs.cat_file(p), started=started)
             if data:
                 raise IntegrityError(f"object is larger than the expected 0 bytes", url=self.url_of(name),
-                                     hint="the object was replaced; rebuild or refresh the manifest")
+                                     hint="The object was replaced; rebuild or refresh the manifest")
             return
         step = self.transfer.part_bytes
         parts = [(off, min(off + step, size)) for off in range(0, size, step)]

@@ -16,7 +16,7 @@ Thread safety: one reader or writer per thread.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -126,7 +126,7 @@ class ParquetShardReader(_BaseReader):
         self._pf: pq.ParquetFile | None = None
         self._ends: np.ndarray | None = None
         self._cached: tuple[int, dict[str, list[Any]]] = (-1, {})
-        self._decoders: dict[str, Callable[[Any], Any]] = {}
+        self._ndarrays: list[str] = []  # columns holding codec-encoded arrays
         self._ensure_open()
 
     def _error(self, what: str, exc: BaseException | None = None) -> ReaderError:
@@ -172,19 +172,16 @@ class ParquetShardReader(_BaseReader):
                               hint=f"Available columns: {arrow.names}")
         names = self._requested if self._requested is not None else list(kinds)
         self.schema = {name: kinds.get(name, "any") for name in names}
-        self._decoders = {
-            name: self._ndarray_decoder(name) for name in names
-            if stored is not None and kinds.get(name) == "ndarray"}
+        self._ndarrays = [name for name in names
+                          if stored is not None and kinds.get(name) == "ndarray"]
 
-    def _ndarray_decoder(self, name: str) -> Callable[[Any], Any]:
-        def decode(raw: Any) -> Any:
-            if raw is None:
-                return None
-            try:
-                return decode_field("ndarray", raw)
-            except ReaderError as exc:
-                raise self._error(f"column {name!r}: {exc}") from None
-        return decode
+    def _decode_ndarray(self, name: str, raw: Any) -> Any:
+        if raw is None:
+            return None
+        try:
+            return decode_field("ndarray", raw)
+        except ReaderError as exc:
+            raise self._error(f"column {name!r}: {exc}") from None
 
     def __len__(self) -> int:
         assert self._ends is not None
@@ -205,8 +202,8 @@ class ParquetShardReader(_BaseReader):
 
     def _row(self, columns: dict[str, list[Any]], local: int) -> Sample:
         sample = {name: values[local] for name, values in columns.items()}
-        for name, decode in self._decoders.items():
-            sample[name] = decode(sample[name])
+        for name in self._ndarrays:
+            sample[name] = self._decode_ndarray(name, sample[name])
         return sample
 
     def _group_start(self, group: int) -> int:

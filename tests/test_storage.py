@@ -295,3 +295,17 @@ def test_classification(exc: BaseException, kind: str) -> None:
     wrapped = OSError(5, "wrapped")
     wrapped.__cause__ = exc
     assert _retry.classify(wrapped) == kind
+
+
+def test_parallel_ranged_gets_and_no_head_when_size_is_known(s3_server: Any, s3_store_url: str,
+                                                               slowlink: Any) -> None:
+    data = os.urandom(4 * PART + 1)
+    open_store(s3_store_url, s3_server.storage_options()).write_bytes("g.bin", data)
+    link = slowlink(latency=0.01)
+    with open_store(s3_store_url, s3_server.storage_options(link.endpoint_url), transfer=TRANSFER) as store:
+        assert store.read_bytes("g.bin", size=len(data)) == data
+        assert (link.requests, link.gets) == (5, 5)  # 5 ranged GETs, no HEAD
+        link.reset_counters()
+        assert store.read_bytes("g.bin") == data
+        assert (link.requests, link.gets) == (6, 5)  # one HEAD for the size
+        assert store.stats()["requests"] == 11

@@ -40,7 +40,7 @@ CHUNK = 64 * 1024
 RESET_AFTER = 4096  # bytes of a response forwarded before an injected reset
 
 
-def _slowdown_response(n: int) -> bytes:
+def _slowdown_response(n: int, head_request: bool = False) -> bytes:
     body = (
         '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
         "<Message>Please reduce your request rate.</Message>"
@@ -50,7 +50,7 @@ def _slowdown_response(n: int) -> bytes:
         "HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
         f"Content-Length: {len(body)}\r\nx-amz-request-id: slowlink-{n}\r\nConnection: close\r\n\r\n"
     ).encode()
-    return head + body
+    return head if head_request else head + body  # a HEAD response carries no body
 
 
 class _Conn:
@@ -214,35 +214,38 @@ class SlowLink:
         except OSError:
             self._close(conn)
             return
+        up = asyncio.ensure_future(self._pump_up(conn, client_r))
         down = asyncio.ensure_future(self._pump_down(conn, server_r))
         try:
-            await self._pump_up(conn, client_r)
-        except (OSError, asyncio.IncompleteReadError):
-            pass
+            await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+            if not down.done():  # the client stopped sending: let the last response drain
+                await asyncio.wait({down}, timeout=30)
+        except asyncio.CancelledError:
+            pass  # stop(): end quietly (Python 3.11's start_server logs handlers that end cancelled)
         finally:
-            if not down.done():
-                # client finished sending: let the last response drain, then close
-                try:
-                    await asyncio.wait_for(asyncio.shield(down), timeout=30)
-                except (asyncio.TimeoutError, Exception):
-                    down.cancel()
+            for task in (up, down):
+                task.cancel()
             self._close(conn)
+            await asyncio.gather(up, down, return_exceptions=True)
 
     async def _pump_up(self, conn: _Conn, client_r: asyncio.StreamReader) -> None:
         assert conn.server_w is not None
-        while True:
-            data = await client_r.read(CHUNK)
-            if not data:
-                return
-            if conn.expect_request:
-                conn.expect_request = False
-                conn.awaiting_response = True
-                conn.cut_after = None
-                if not await self._request_start(conn, data, client_r):
+        try:
+            while True:
+                data = await client_r.read(CHUNK)
+                if not data:
                     return
-            self._add(bytes_up=len(data))
-            conn.server_w.write(data)
-            await conn.server_w.drain()
+                if conn.expect_request:
+                    conn.expect_request = False
+                    conn.awaiting_response = True
+                    conn.cut_after = None
+                    if not await self._request_start(conn, data, client_r):
+                        return
+                self._add(bytes_up=len(data))
+                conn.server_w.write(data)
+                await conn.server_w.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
 
     async def _request_start(self, conn: _Conn, data: bytes, client_r: asyncio.StreamReader) -> bool:
         """Count a request, apply latency and faults; False if the connection was failed."""
@@ -260,7 +263,7 @@ class SlowLink:
             await asyncio.sleep(delay)
         if fail and n % fail == 0:
             self._add(injected=1)
-            conn.client_w.write(_slowdown_response(n))
+            conn.client_w.write(_slowdown_response(n, data.startswith(b"HEAD ")))
             await conn.client_w.drain()
             try:  # discard what the client still sends (a request body) so the 503 is read, not reset
                 conn.client_w.write_eof()

@@ -1,0 +1,47 @@
+"""The public API is exactly what __all__ says, and every name in it exists."""
+import importlib
+import subprocess
+import sys
+
+import datacache
+import readers
+
+EXPECTED = {
+    "__version__", "write_dataset", "DatasetWriter", "Manifest", "ShardInfo", "load_manifest", "open_store", "Store",
+    "NodeCache", "CacheHandle", "LRUPolicy", "ClairvoyantPolicy", "Schedule", "StreamingDataset", "CacheConfig",
+    "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size", "DatacacheError", "StorageError",
+    "TransientStorageError", "NotFoundError", "PermissionDeniedError", "ManifestError", "IntegrityError",
+    "ReaderError", "CacheError",
+}
+
+
+def test_all_is_guarded() -> None:
+    assert set(datacache.__all__) == EXPECTED
+    for name in datacache.__all__:
+        assert hasattr(datacache, name), name
+
+
+def test_every_module_declares_all() -> None:
+    for mod in ("datacache.cache", "datacache.config", "datacache.dataset", "datacache.errors", "datacache.eviction",
+                "datacache.manifest", "datacache.plan", "datacache.prefetch", "datacache.storage", "datacache.writer",
+                "readers", "readers.codec"):
+        m = importlib.import_module(mod)
+        for name in m.__all__:
+            assert hasattr(m, name), f"{mod}.{name}"
+
+
+def test_only_storage_imports_fsspec() -> None:
+    import pathlib
+
+    root = pathlib.Path(datacache.__file__).parent
+    users = sorted(p.name for p in root.glob("*.py") if "import fsspec" in p.read_text() or "from fsspec" in p.read_text())
+    assert users == ["storage.py"]
+    for p in pathlib.Path(readers.__file__).parent.glob("*.py"):
+        text = p.read_text()
+        assert "import fsspec" not in text and "from datacache" not in text and "import datacache" not in text, p.name
+
+
+def test_version_and_cli_help() -> None:
+    out = subprocess.run([sys.executable, "-c", "import datacache, readers; print(datacache.__version__)"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == datacache.__version__
