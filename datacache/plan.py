@@ -177,7 +177,8 @@ def remainder_order(counts: np.ndarray, spec: PlanSpec, consumed: list[int],
     for r in range(spec.dp_size):
         for w in range(spec.num_workers):
             sub = PlanSpec(**{**spec.__dict__, "dp_rank": r, "worker_id": w})
-            samples = build_plan(counts, sub, order=base).samples
+            # as the dataset builds it: a remainder order is not reshuffled again
+            samples = build_plan(counts, sub, order=base, reshuffle=order is None).samples
             assert samples is not None
             done.append(samples[:consumed[w]])
             rest.append(samples[consumed[w]:])

@@ -50,11 +50,23 @@ _NO_LISTING_CACHE = _S3 | {"gs", "gcs", "abfs", "az", "http", "https"}
 _SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature")
 _thread_ids = count()
 _stores: "weakref.WeakSet[Store]" = weakref.WeakSet()
+_inherited: list[Any] = []  # the parent's filesystem objects, kept alive (never closed) in a child
 
 
 def _after_fork_in_child() -> None:
     for store in list(_stores):
         store._reset_after_fork()
+
+
+def _abandon(fs: Any) -> None:
+    """Keep a filesystem inherited across fork alive and unfinalized in the child: closing it here
+    (s3fs's finalizer closes aiohttp transports) would unregister the parent's sockets from the
+    epoll instance parent and child share, and the parent's next reads would hang."""
+    _inherited.append(fs)
+    for fin in list(getattr(weakref.finalize, "_registry", {})):
+        info = fin.peek()
+        if info is not None and info[0] is fs:
+            fin.detach()
 
 
 if hasattr(os, "register_at_fork"):
@@ -151,6 +163,8 @@ class Store:
         # Runs in the child: the parent's threads do not exist here and its locks may be held.
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        if self._fs is not None:
+            _abandon(self._fs)
         self._fs, self._pool = None, None
 
     def __getstate__(self) -> dict[str, Any]:

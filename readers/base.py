@@ -42,6 +42,18 @@ class ReaderError(ValueError):
             text = f"{text.rstrip('.')}. {hint}"
         super().__init__(text)
 
+    def __reduce__(self) -> tuple[Any, ...]:  # keep path/hint across pickling (DataLoader)
+        return (_rebuild_error, (type(self), str(self), self.path, self.hint))
+
+
+def _rebuild_error(cls: type[ReaderError], text: str, path: str | None,
+                   hint: str | None) -> ReaderError:
+    err = cls.__new__(cls)
+    ValueError.__init__(err, text)
+    err.path = err.url = path
+    err.hint = hint
+    return err
+
 
 class ShardReader(abc.ABC):
     """Random and sequential access to the samples of one local shard file.

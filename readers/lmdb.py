@@ -110,7 +110,8 @@ class LmdbShardReader(_BaseReader):
             self._env = lmdb.open(self.path, subdir=False, readonly=True, lock=False,
                                   readahead=False, max_readers=self.max_readers, create=False)
         except lmdb.Error as exc:
-            raise ReaderError(f"not an lmdb shard ({exc})", path=self.path,
+            detail = str(exc).replace(f"{self.path}: ", "")
+            raise ReaderError(f"not an lmdb shard ({detail})", path=self.path,
                               hint=_HINT_FORMAT) from None
         needed = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
         if size < needed:
@@ -139,7 +140,7 @@ class LmdbShardReader(_BaseReader):
             count, schema = meta["count"], meta["schema"]
         except (ValueError, TypeError, KeyError) as exc:
             raise self._corrupt(f"invalid metadata under {META_KEY!r} ({exc})") from None
-        if not isinstance(count, int) or count != entries - 1:
+        if isinstance(count, bool) or not isinstance(count, int) or count != entries - 1:
             raise self._corrupt(f"metadata declares {count!r} samples, the file holds "
                                 f"{entries - 1}")
         self.schema = schema_from_json(json.dumps(schema), self.path)

@@ -125,11 +125,11 @@ class TarShardWriter(_BaseWriter):
 class TarShardReader(_BaseReader):
     """Read a tar shard by seeking to indexed member data. Not thread-safe."""
 
-    _HANDLE_ATTRS = ("_fd",)
+    _HANDLE_ATTRS = ("_file",)
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__(path)
-        self._fd: int | None = None
+        self._file: io.FileIO | None = None
         self._size = -1
         self._samples: list[tuple[str, _Members]] = []
         self._ensure_open()
@@ -138,18 +138,18 @@ class TarShardReader(_BaseReader):
         return ReaderError(what, path=self.path, hint=hint)
 
     def _open_handles(self) -> None:
-        self._fd = os.open(self.path, os.O_RDONLY)
-        size = os.fstat(self._fd).st_size
+        self._file = io.FileIO(self.path, "r")
+        size = os.fstat(self._file.fileno()).st_size
         if self._size < 0:
-            self._build_index(self._fd, size)
+            self._build_index(self._file.fileno(), size)
             self._size = size
         elif size != self._size:
             raise self._corrupt(f"file size changed from {self._size} to {size} bytes")
 
     def _close_handles(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-        self._fd = None
+        if self._file is not None:
+            self._file.close()
+        self._file = None
 
     def _build_index(self, fd: int, size: int) -> None:
         try:
@@ -210,8 +210,8 @@ class TarShardReader(_BaseReader):
         self.schema = schema_from_json(self._read(info.offset_data, info.size), self.path)
 
     def _read(self, offset: int, size: int) -> bytes:
-        assert self._fd is not None
-        data = os.pread(self._fd, size, offset)
+        assert self._file is not None
+        data = os.pread(self._file.fileno(), size, offset)
         if len(data) != size:
             raise self._corrupt(f"truncated tar shard: short read at offset {offset}")
         return data

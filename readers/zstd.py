@@ -70,8 +70,8 @@ class ZstdShardWriter(_BaseWriter):
     ``block_bytes``: target raw bytes per block. ``level``: zstd level. ``dictionary``: a
     :class:`zstandard.ZstdCompressionDict` to compress with (stored in the file), or
     ``train_dictionary=True`` to train one of ``dict_size`` bytes on the first
-    ``dict_train_samples`` samples (if training fails, e.g. too little data, no dictionary is
-    used).
+    ``dict_train_samples`` samples (or the first ``128 * dict_size`` bytes, whichever comes
+    first; if training fails, e.g. too little data, no dictionary is used).
     """
 
     def __init__(self, path: str | os.PathLike[str], schema: Schema, *,
@@ -92,6 +92,7 @@ class ZstdShardWriter(_BaseWriter):
         self._cctx: zstandard.ZstdCompressor | None = None
         self._dict_span = (0, 0)
         self._pending: list[bytes] = []
+        self._pending_bytes = 0
         self._block: list[bytes] = []
         self._block_size = 0
         self._block_first = 0
@@ -126,7 +127,9 @@ class ZstdShardWriter(_BaseWriter):
                              f"max_block_bytes={self.max_block_bytes}")
         if self._cctx is None:
             self._pending.append(data)
-            if len(self._pending) >= self._dict_train_samples:
+            self._pending_bytes += len(data)
+            if len(self._pending) >= self._dict_train_samples \
+                    or self._pending_bytes >= 128 * self._dict_size:
                 self._train()
         else:
             self._add(data)

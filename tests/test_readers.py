@@ -7,6 +7,7 @@ import json
 import math
 import multiprocessing
 import os
+import pickle
 import random
 import resource
 import struct
@@ -215,8 +216,6 @@ def test_read_after_fork(fmt: str, mixed_shard: tuple[str, list[dict[str, Any]]]
 
 
 def test_pickled_reader_reopens(fmt: str, mixed_shard: tuple[str, list[dict[str, Any]]]) -> None:
-    import pickle
-
     path, samples = mixed_shard
     with readers.open_shard(fmt, path) as reader:
         reader.get(0)
@@ -289,6 +288,10 @@ def test_reader_error_message() -> None:
     assert str(err) == ("/x/a.tar: not a tar shard (bad header at offset 0). "
                         "Check the dataset's 'format' in manifest.json")
     assert err.path == "/x/a.tar" and isinstance(err, ValueError)
+    clone = pickle.loads(pickle.dumps(err))
+    assert type(clone) is ReaderError and str(clone) == str(err)
+    assert clone.path == "/x/a.tar" and clone.hint == err.hint
+    assert readers.lmdb.lmdb is lmdb  # readers/lmdb.py imports the real library
 
 
 # -- codec ------------------------------------------------------------------------------------
@@ -428,27 +431,36 @@ def _bomb_frame(size: int, declared: int | None) -> bytes:
     return frame
 
 
-def _limited_child(fn: Callable[[], Any], headroom: int, conn: Any) -> None:
+def _proc_status_kib(field: str) -> int:
     with open("/proc/self/status") as status:
-        vm = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
-    resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def _limited_child(fn: Callable[[], Any], headroom: int, conn: Any) -> None:
+    limit = _proc_status_kib("VmSize") * 1024 + headroom
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    peak = _proc_status_kib("VmHWM")  # a forked child's high-water mark starts afresh
     try:
         fn()
-        conn.send("no error")
+        outcome = "no error"
     except BaseException as exc:
-        conn.send(type(exc).__name__)
+        outcome = type(exc).__name__
+    conn.send((outcome, (_proc_status_kib("VmHWM") - peak) * 1024))
 
 
-def run_with_memory_cap(fn: Callable[[], Any], headroom: int = 400 << 20) -> str:
-    """Run ``fn`` in a forked child whose address space may grow by ``headroom`` bytes only."""
+def run_with_memory_cap(fn: Callable[[], Any], headroom: int = 400 << 20,
+                        max_growth: int = 64 << 20) -> str:
+    """Run ``fn`` in a forked child whose address space may grow by ``headroom`` bytes only;
+    assert its resident memory grew by less than ``max_growth``; return the outcome."""
     ctx = multiprocessing.get_context("fork")
     parent_conn, child_conn = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_limited_child, args=(fn, headroom, child_conn))
     proc.start()
     assert parent_conn.poll(30), "child did not answer"
-    result = parent_conn.recv()
+    outcome, growth = parent_conn.recv()
     proc.join(10)
-    return result
+    assert growth < max_growth, f"resident memory grew by {growth} bytes"
+    return outcome
 
 
 def test_zstd_bomb_small_declared_length(tmp_path: Any) -> None:
@@ -523,6 +535,15 @@ def test_zstd_truncated_by_one_byte(tmp_path: Any) -> None:
     (tmp_path / "t.dcz").write_bytes(data[:-40] + data[-32:])  # index shortened: bad checksum
     with pytest.raises(ReaderError):
         rzstd.ZstdShardReader(path)
+
+
+def test_zstd_default_blocks_with_large_samples(tmp_path: Any) -> None:
+    schema, samples = _large()  # every sample is larger than the default 1 MiB block
+    path = write_shard("zstd", tmp_path / "l.dcz", schema, samples,
+                       block_bytes=rzstd.DEFAULT_BLOCK_BYTES)
+    with rzstd.ZstdShardReader(path) as reader:
+        assert len(reader._blocks) == len(samples)
+        assert_samples([reader.get(i) for i in (2, 0, 1)], [samples[i] for i in (2, 0, 1)])
 
 
 def _json_samples(n: int) -> list[dict[str, Any]]:

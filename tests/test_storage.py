@@ -189,16 +189,18 @@ def test_short_read_is_retried(tmp_path: Any) -> None:
     data = os.urandom(3 * PART)
     store.write_bytes("o.bin", data)
     fs = store._ensure()[0]
-    real, calls = fs.cat_file, []
+    real, calls, lock = fs.cat_file, [], threading.Lock()
 
     def flaky(path: str, start: int | None = None, end: int | None = None, **kw: Any) -> bytes:
-        calls.append(start)
+        with lock:
+            calls.append(start)
+            cut = len(calls) == 2  # exactly one call comes back short
         out = real(path, start=start, end=end, **kw)
-        return out[: len(out) // 2] if len(calls) == 2 else out
+        return out[: len(out) // 2] if cut else out
 
     fs.cat_file = flaky
     assert store.read_bytes("o.bin", size=len(data)) == data
-    assert store.stats()["retries"] == 1
+    assert store.stats()["retries"] == 1 and len(calls) == 4
 
 
 def test_io_threads_are_named_and_store_is_thread_safe(store: Store) -> None:

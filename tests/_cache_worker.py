@@ -1,0 +1,165 @@
+"""Helpers for tests/test_cache.py that run inside child processes (fork or spawn).
+
+Entry bytes and sizes are derived from the key alone, so any process can check what it reads.
+Every call of a fetch function appends ``<key> <tag>`` to a per-process log file in ``log_dir``
+(``O_APPEND``, one small write per line), so fetch counts survive even a SIGKILLed process.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import random
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+from datacache.cache import NodeCache
+from datacache.config import CacheConfig
+from datacache.eviction import LRUPolicy
+from datacache.hashing import hash_bytes
+
+KB = 1 << 10
+
+
+def key_size(key: str, lo: int = 64 * KB, hi: int = 256 * KB) -> int:
+    """A size in [lo, hi] fixed by the key."""
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+    return lo + h % (hi - lo + 1)
+
+
+@functools.lru_cache(maxsize=256)
+def key_bytes(key: str, size: int) -> bytes:
+    """Deterministic pseudo-random bytes for ``key`` (the same in every process)."""
+    return random.Random(f"{key}/{size}").randbytes(size)
+
+
+def key_hash(key: str, size: int) -> str:
+    return hash_bytes(key_bytes(key, size))
+
+
+def log_fetch(log_dir: str, key: str, tag: str = "") -> None:
+    fd = os.open(os.path.join(log_dir, f"fetches-{os.getpid()}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, f"{key} {tag}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def read_fetch_log(log_dir: str) -> list[tuple[str, str]]:
+    """Every logged fetch as ``(key, tag)``, over all processes."""
+    out = []
+    for name in sorted(os.listdir(log_dir)):
+        if name.startswith("fetches-"):
+            with open(os.path.join(log_dir, name)) as f:
+                out += [tuple(line.rstrip("\n").split(" ", 1)) for line in f if line.strip()]
+    return out
+
+
+def make_fetch(key: str, size: int, log_dir: str, tag: str = "", *, chunk: int = 0, delay: float = 0.0,
+               mid_write: Any = None):
+    """``fetch(path)`` writing ``key``'s bytes into ``path``; logs the call first.
+
+    With ``chunk``, writes ``chunk`` bytes at a time sleeping ``delay`` between chunks, and calls
+    ``mid_write()`` (e.g. an Event's ``set``) once a third of the bytes are written.
+    """
+    def fetch(path: str) -> None:
+        log_fetch(log_dir, key, tag)
+        data = key_bytes(key, size)
+        with open(path, "r+b") as f:
+            if not chunk:
+                f.write(data)
+                return
+            for off in range(0, size, chunk):
+                f.write(data[off:off + chunk])
+                f.flush()
+                if mid_write is not None and off + chunk >= size // 3:
+                    mid_write()
+                    mid_write = None
+                time.sleep(delay)
+    return fetch
+
+
+def get_checked(cache: NodeCache, key: str, log_dir: str, tag: str = "", size: int | None = None,
+                use_mmap: bool = False, **fetch_kw: Any):
+    """``cache.get`` with the key's fetch, size and hash; checks the bytes, returns the handle."""
+    size = key_size(key) if size is None else size
+    h = cache.get(key, make_fetch(key, size, log_dir, tag, **fetch_kw), size=size, hash=key_hash(key, size))
+    data = bytes(h.mmap()) if use_mmap else h.read()
+    if data != key_bytes(key, size):
+        h.release()
+        raise AssertionError(f"wrong bytes for {key} from tier {h.tier} at {h.path}")
+    return h
+
+
+def stress_worker(cfg: dict, keys: list[str], n_threads: int, n_gets: int, seed: int, log_dir: str,
+                  start: Any, results: Any) -> None:
+    """One process of the stress test: ``n_threads`` threads doing ``n_gets`` random checked gets."""
+    errors: list[str] = []
+    tiers: dict[str, int] = {}
+    try:
+        cache = NodeCache(CacheConfig(**cfg), policy=LRUPolicy())
+        start.wait()
+
+        def run(tid: int) -> None:
+            rng = random.Random(seed * 1000 + tid)
+            try:
+                for i in range(n_gets):
+                    key = rng.choice(keys)
+                    h = get_checked(cache, key, log_dir, use_mmap=(i % 3 == 0))
+                    tiers[h.tier] = tiers.get(h.tier, 0) + 1
+                    if h.tier not in ("ram", "ssd", "pass"):
+                        errors.append(f"bad tier {h.tier}")
+                    if rng.random() < 0.3:  # hold a pin for a moment while others churn
+                        time.sleep(0.001)
+                    h.release()
+            except BaseException:
+                errors.append(traceback.format_exc())
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        cache.close()
+    except BaseException:
+        errors.append(traceback.format_exc())
+    results.put((os.getpid(), errors, tiers))
+
+
+def same_key_worker(cfg: dict, key: str, size: int, log_dir: str, barrier: Any, results: Any) -> None:
+    """Wait on ``barrier`` so every process asks for the missing ``key`` at once (slow fetch)."""
+    try:
+        cache = NodeCache(CacheConfig(**cfg))
+        barrier.wait()
+        h = get_checked(cache, key, log_dir, size=size, chunk=size // 16, delay=0.02)
+        tier = h.tier
+        h.release()
+        cache.close()
+        results.put((os.getpid(), None, tier))
+    except BaseException:
+        results.put((os.getpid(), traceback.format_exc(), None))
+
+
+def slow_fetcher(cfg: dict, key: str, size: int, log_dir: str, mid_write: Any) -> None:
+    """Fetch ``key`` very slowly, calling ``mid_write.set()`` mid-way; meant to be SIGKILLed."""
+    cache = NodeCache(CacheConfig(**cfg))
+    get_checked(cache, key, log_dir, "killed", size=size, chunk=size // 200, delay=0.05, mid_write=mid_write.set)
+    os.kill(os.getpid(), signal.SIGKILL)  # never reached in the tests: the parent kills us first
+
+
+def waiter(cfg: dict, key: str, size: int, log_dir: str, ready: Any, results: Any) -> None:
+    """Ask for ``key`` (blocking on its lock while the slow fetcher holds it); report what came back."""
+    try:
+        cache = NodeCache(CacheConfig(**cfg))
+        ready.set()
+        h = get_checked(cache, key, log_dir, "waiter", size=size)
+        out = (h.tier, h.path)
+        h.release()
+        stats = cache.stats()
+        cache.close()
+        results.put((None, out, stats))
+    except BaseException:
+        results.put((traceback.format_exc(), None, None))

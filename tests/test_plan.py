@@ -1,0 +1,195 @@
+"""Property tests of the pure epoch plan (datacache.plan): exactly once, equal ranks, purity, windows,
+remainders. Replication is tested at the dataset level (tests/test_dataset.py)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from datacache.plan import PlanSpec, build_plan, global_order, remainder_order, split_even
+
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+counts_st = st.lists(st.integers(0, 50), min_size=1, max_size=20).filter(lambda c: sum(c) >= 1)
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> PlanSpec:
+    return PlanSpec(seed=draw(st.integers(0, 2**31 - 1)), epoch=draw(st.integers(0, 1000)),
+                    shuffle=draw(st.booleans()), window=draw(st.integers(1, 5)), drop_last=draw(st.booleans()),
+                    dp_size=draw(st.integers(1, 5)), num_workers=draw(st.integers(1, 4)))
+
+
+def all_plans(counts: list[int], spec: PlanSpec, **kw):
+    """{(rank, worker): plan} for every consumer of the epoch."""
+    return {(r, w): build_plan(np.array(counts), replace(spec, dp_rank=r, worker_id=w), **kw)
+            for r in range(spec.dp_size) for w in range(spec.num_workers)}
+
+
+def shard_of(counts: list[int], ids: np.ndarray) -> np.ndarray:
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    return np.searchsorted(offsets, ids, side="right") - 1
+
+
+@SETTINGS
+@given(counts_st, specs())
+def test_exactly_once_and_equal_ranks(counts: list[int], spec: PlanSpec) -> None:
+    n = sum(counts)
+    plans = all_plans(counts, spec)
+    everything = np.concatenate([p.samples for p in plans.values()])
+    seen = Counter(everything.tolist())
+    padded = plans[0, 0].padded
+    assert all(p.padded == padded for p in plans.values())
+    assert all(len(p) == len(p.samples) for p in plans.values())
+    if spec.drop_last:
+        assert padded == 0
+        assert all(v == 1 for v in seen.values()), "a sample repeats with drop_last=True"
+        assert len(everything) == (n // spec.dp_size) * spec.dp_size
+        assert set(seen) <= set(range(n))
+    else:
+        assert set(seen) == set(range(n)), "some sample is never read"
+        assert len(everything) == n + padded
+        assert sum(c - 1 for c in seen.values()) == padded
+        assert 0 <= padded < spec.dp_size
+    # every rank reads the same number of samples, and its workers the same split
+    per_worker = {r: [len(plans[r, w]) for w in range(spec.num_workers)] for r in range(spec.dp_size)}
+    assert len({sum(v) for v in per_worker.values()}) == 1
+    assert len({tuple(v) for v in per_worker.values()}) == 1
+    sizes = per_worker[0]
+    assert max(sizes) - min(sizes) <= 1
+    # hence equal batch counts for any batch size when each worker's stream is batched on its own
+    for b in range(1, 10):
+        batches = {sum(-(-k // b) for k in per_worker[r]) for r in range(spec.dp_size)}
+        assert len(batches) == 1, f"ranks yield different batch counts at batch size {b}"
+
+
+@SETTINGS
+@given(counts_st, specs())
+def test_plan_is_pure(counts: list[int], spec: PlanSpec) -> None:
+    a, b = all_plans(counts, spec), all_plans(list(counts), replace(spec))
+    for k in a:
+        assert np.array_equal(a[k].samples, b[k].samples)
+        assert a[k].windows == b[k].windows and a[k].padded == b[k].padded
+        shards_only = build_plan(np.array(counts), replace(spec, dp_rank=k[0], worker_id=k[1]), shards_only=True)
+        assert shards_only.samples is None and shards_only.windows == a[k].windows
+        assert len(shards_only) == len(a[k])
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=20).filter(lambda c: sum(c) >= 20),
+       st.integers(0, 2**31 - 1), st.integers(0, 1000), st.integers(1, 5))
+def test_epochs_and_seeds_reshuffle(counts: list[int], seed: int, epoch: int, window: int) -> None:
+    spec = PlanSpec(seed=seed, epoch=epoch, window=window)
+    base = build_plan(np.array(counts), spec).samples
+    assert sorted(base.tolist()) == list(range(sum(counts)))
+    assert not np.array_equal(base, build_plan(np.array(counts), replace(spec, epoch=epoch + 1)).samples)
+    assert not np.array_equal(base, build_plan(np.array(counts), replace(spec, seed=seed + 1)).samples)
+
+
+@SETTINGS
+@given(counts_st, specs())
+def test_no_shuffle_keeps_global_order(counts: list[int], spec: PlanSpec) -> None:
+    spec = replace(spec, shuffle=False)
+    plans = all_plans(counts, spec)
+    got = np.concatenate([plans[r, w].samples for r in range(spec.dp_size) for w in range(spec.num_workers)])
+    pieces, padded = split_even(np.arange(sum(counts)), spec.dp_size, spec.drop_last)
+    assert np.array_equal(got, np.concatenate(pieces))
+    assert padded == plans[0, 0].padded
+
+
+@SETTINGS
+@given(counts_st, specs())
+def test_windows_touch_at_most_window_shards(counts: list[int], spec: PlanSpec) -> None:
+    for plan in all_plans(counts, spec).values():
+        pos = 0
+        for a, b, shards in plan.windows:
+            assert a == pos and b > a, "windows must tile the plan"
+            pos = b
+            assert 1 <= len(shards) <= spec.window
+            assert len(set(shards)) == len(shards)
+            # the shuffled samples of a window stay within the window's shards
+            assert set(shard_of(counts, plan.samples[a:b]).tolist()) == set(shards)
+        assert pos == len(plan)
+        assert plan.shard_sequence == [s for _, _, sh in plan.windows for s in sh]
+        times = plan.shard_times(3)
+        assert [s for s, _ in times] == plan.shard_sequence
+        assert all(3 <= t < 4 for _, t in times)
+        assert [t for _, t in times] == sorted(t for _, t in times)
+
+
+@st.composite
+def consumed_for(draw: st.DrawFn, counts: list[int], spec: PlanSpec) -> list[int]:
+    lengths = [len(build_plan(np.array(counts), replace(spec, worker_id=w), shards_only=True))
+               for w in range(spec.num_workers)]
+    return [draw(st.integers(0, n)) for n in lengths]
+
+
+def unread(counts: list[int], spec: PlanSpec, consumed: list[int], order=None) -> tuple[set[int], set[int]]:
+    """(every real sample of the plans, samples read) given per-worker consumed counts."""
+    plans = all_plans(counts, spec, order=order, reshuffle=order is None)
+    every = set(np.concatenate([p.samples for p in plans.values()]).tolist())
+    read = set()
+    for (_, w), p in plans.items():
+        read |= set(p.samples[:consumed[w]].tolist())
+    return every, read
+
+
+@SETTINGS
+@given(st.data(), counts_st, specs())
+def test_remainder_is_every_unread_sample_once(data: st.DataObject, counts: list[int], spec: PlanSpec) -> None:
+    consumed = data.draw(consumed_for(counts, spec))
+    rest = remainder_order(np.array(counts), spec, consumed)
+    every, read = unread(counts, spec, consumed)
+    assert len(set(rest.tolist())) == len(rest), "remainder repeats a sample"
+    assert set(rest.tolist()) == every - read
+    if not spec.drop_last:
+        assert every == set(range(sum(counts)))
+
+
+@SETTINGS
+@given(st.data(), counts_st, specs(), st.integers(1, 5), st.integers(1, 4))
+def test_remainder_of_a_remainder(data: st.DataObject, counts: list[int], spec: PlanSpec, dp2: int, nw2: int) -> None:
+    """Elastic twice: world A reads some, world B resumes from A's remainder and reads some, world C
+    resumes; C's remainder must be exactly what neither A nor B read."""
+    spec = replace(spec, drop_last=False)
+    c = np.array(counts)
+    consumed_a = data.draw(consumed_for(counts, spec))
+    order_b = remainder_order(c, spec, consumed_a)
+    _, read_a = unread(counts, spec, consumed_a)
+    spec_b = replace(spec, dp_size=dp2, num_workers=nw2)
+    assume(len(order_b) > 0)
+    lengths = [len(build_plan(c, replace(spec_b, worker_id=w), order=order_b, reshuffle=False))
+               for w in range(nw2)]
+    consumed_b = [data.draw(st.integers(0, n)) for n in lengths]
+    _, read_b = unread(counts, spec_b, consumed_b, order=order_b)
+    order_c = remainder_order(c, spec_b, consumed_b, order=order_b)
+    assert len(set(order_c.tolist())) == len(order_c)
+    assert set(order_c.tolist()) == set(range(sum(counts))) - read_a - read_b
+
+
+def test_split_even_small_cases() -> None:
+    pieces, padded = split_even(np.arange(5), 3, drop_last=False)
+    assert [p.tolist() for p in pieces] == [[0, 1], [2, 3], [4, 0]] and padded == 1
+    pieces, padded = split_even(np.arange(5), 3, drop_last=True)
+    assert [p.tolist() for p in pieces] == [[0], [1], [2]] and padded == 0
+    pieces, padded = split_even(np.arange(1), 4, drop_last=False)
+    assert [p.tolist() for p in pieces] == [[0]] * 4 and padded == 3
+    assert [len(p) for p in split_even(np.zeros(0, dtype=np.int64), 2, False)[0]] == [0, 0]
+
+
+def test_global_order_is_shard_contiguous() -> None:
+    counts = np.array([3, 0, 2, 4])
+    order = global_order(counts, PlanSpec(seed=7, epoch=2))
+    assert sorted(order.tolist()) == list(range(9))
+    runs = [int(s) for s in shard_of(counts.tolist(), order)]
+    assert [s for i, s in enumerate(runs) if i == 0 or runs[i - 1] != s] == sorted(set(runs), key=runs.index)
+
+
+@pytest.mark.parametrize("bad", [dict(dp_rank=2, dp_size=2), dict(worker_id=3, num_workers=3), dict(window=0)])
+def test_spec_validation(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        PlanSpec(**bad)
