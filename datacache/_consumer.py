@@ -59,13 +59,22 @@ class Consumer:
         self.schedule = schedule
         if schedule is not None:
             cache.set_policy(ClairvoyantPolicy(schedule))
-        self.windows = [w for w in plan.windows if w[1] > skip]
+        self.windows = [self._trim(w, skip) for w in plan.windows if w[1] > skip]
         items = [s for _, _, shards in self.windows for s in shards]
         self.prefetcher: Prefetcher[int, CacheHandle] = Prefetcher(
             items, self._load, size_of=lambda s: manifest.shards[s].bytes, release=CacheHandle.release,
             config=prefetch, name=name)
         self.consumed = skip
         self.skipped_shards = 0
+
+    def _trim(self, window: tuple[int, int, list[int]], skip: int) -> tuple[int, int, list[int]]:
+        """A window resumed at ``skip``: only the shards that still have samples to read."""
+        a, b, shards = window
+        if a >= skip or self.plan.samples is None:
+            return window
+        ids = self.plan.samples[skip:b]
+        need = set((np.searchsorted(self.manifest.offsets, ids, side="right") - 1).tolist())
+        return skip, b, [s for s in shards if s in need]
 
     def _load(self, shard: int) -> CacheHandle:
         info = self.manifest.shards[shard]

@@ -132,7 +132,7 @@ def make_room(cache: "NodeCache", tier: Tier, key: str, nbytes: int, fname: str,
                 return False, []
             for v in victims:
                 del v.entry.tiers[tier.name]
-                v.demote = (tier.name == "ram" and cache.ssd.enabled and "ssd" not in v.entry.tiers
+                v.demote = (tier.name == "ram" and v.file_fd >= 0 and cache.ssd.enabled and "ssd" not in v.entry.tiers
                             and v.entry.size <= cache.ssd.budget and policy.worth_keeping(v.key))
                 txn.put(v.key, v.entry)
                 txn.add_used(tier.name, -v.entry.size)

@@ -20,7 +20,7 @@ from .tiers import KeyLock, key_id, unlock_close
 if TYPE_CHECKING:
     from .cache import NodeCache
 
-__all__ = ["open_node", "reconcile", "clear"]
+__all__ = ["open_node", "join_node", "reconcile", "clear"]
 
 log = logging.getLogger("datacache.cache")
 
@@ -45,6 +45,17 @@ def open_node(cache: "NodeCache") -> tuple[int, str, dict[str, int] | None]:
     return fd, token, report
 
 
+def join_node(cache: "NodeCache") -> int:
+    """A shared hold on the node lock on a new descriptor (a forked child's own); returns the fd."""
+    fd = os.open(os.path.join(cache.control_dir, "node.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def reconcile(cache: "NodeCache") -> dict[str, int]:
     """Make the index and the tier directories agree (caller must be alone on the node)."""
     report = {"partial": 0, "orphans": 0, "missing": 0}
@@ -55,7 +66,9 @@ def reconcile(cache: "NodeCache") -> dict[str, int]:
         for tname, rec in e.tiers.items():
             referenced.setdefault(tname, {})[rec["file"]] = key
     sizes: dict[tuple[str, str], int] = {}
-    dirs = [(n, t.data_dir) for n, t in cache.tiers.items()] + [("pass", cache.pass_dir)]
+    dirs = [(n, t.data_dir) for n, t in cache.tiers.items()]
+    if cache.pass_dir not in {d for _, d in dirs}:  # pass files usually live in a tier's data dir
+        dirs.append(("pass", cache.pass_dir))
     for tname, data_dir in dirs:
         if not os.path.isdir(data_dir):
             continue
@@ -71,13 +84,14 @@ def reconcile(cache: "NodeCache") -> dict[str, int]:
             else:
                 sizes[(tname, de.name)] = de.stat().st_size
     used = {name: 0 for name in cache.tiers}
+    wrong: list[str] = []
     with cache.index.write() as txn:
         for key, e in entries.items():
             for tname in list(e.tiers):
                 fname = e.tiers[tname]["file"]
                 if sizes.get((tname, fname)) != e.size:
                     if (tname, fname) in sizes:
-                        _unlink(cache.tiers[tname].file_path(fname))
+                        wrong.append(cache.tiers[tname].file_path(fname))
                     del e.tiers[tname]
                     report["missing"] += 1
                 else:
@@ -86,6 +100,8 @@ def reconcile(cache: "NodeCache") -> dict[str, int]:
         for tname, n in used.items():
             txn.set_meta(f"used/{tname}", str(n))
         txn.set_meta("token", uuid.uuid4().hex)
+    for path in wrong:  # no file I/O inside the write transaction
+        _unlink(path)
     if any(report.values()):
         log.warning("datacache: reconciled cache at %s after an unclean stop: removed %d partial files and %d "
                     "orphans, dropped %d entries whose files were missing or wrong", cache.control_dir,

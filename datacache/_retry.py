@@ -19,11 +19,12 @@ the caller and therefore thread-safe.
 """
 from __future__ import annotations
 
+import logging
 import random
 import re
 import threading
 import time
-from typing import Callable, Iterator, Literal, TypeVar
+from typing import Any, Callable, Iterator, Literal, TypeVar
 
 from .config import RetryConfig
 from .errors import (
@@ -34,7 +35,11 @@ from .errors import (
     TransientStorageError,
 )
 
-__all__ = ["Kind", "ShortReadError", "classify", "backoff_delay", "retry_call", "translate"]
+__all__ = ["Kind", "ShortReadError", "classify", "backoff_delay", "retry_call", "translate", "check_name",
+           "secret_values"]
+
+log = logging.getLogger("datacache.storage")
+_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature")
 
 T = TypeVar("T")
 Kind = Literal["transient", "not_found", "permission", "permanent"]
@@ -76,6 +81,32 @@ _TRANSIENT_NAMES = {
     "ProtocolError", "IncompleteRead", "RemoteDisconnected", "FSTimeoutError",
     "ShortReadError",
 }
+
+
+def _secret_set(obj: Any, under_secret: bool = False) -> set[str]:
+    """String values stored under credential-like keys of (nested) storage options."""
+    found: set[str] = set()
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            found |= _secret_set(v, under_secret or any(w in str(k).lower() for w in _SECRET_WORDS))
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            found |= _secret_set(v, under_secret)
+    elif under_secret and isinstance(obj, str) and len(obj) >= 4:
+        found.add(obj)
+    return found
+
+
+def secret_values(storage_options: dict | None) -> list[str]:
+    """Credential strings in ``storage_options`` (longest first), to scrub from every message."""
+    return sorted(_secret_set(storage_options or {}), key=len, reverse=True)
+
+
+def check_name(name: str) -> str:
+    parts = name.split("/")
+    if name.startswith("/") or "\\" in name or any(p in (".", "..") for p in parts):
+        raise ValueError(f"object name must be relative with no '.' or '..' parts, got {name!r}")
+    return name
 
 
 class ShortReadError(OSError):
@@ -234,4 +265,6 @@ def retry_call(
                 on_error(type(err).__name__, retry)
             if not retry:
                 raise err from exc
+            log.debug("%s %s: attempt %d failed (%s); retrying in %.2fs", op, url, attempt,
+                      describe(exc, redact), delay)
         sleep(delay)

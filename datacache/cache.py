@@ -26,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,7 @@ class CacheHandle:
     def __init__(self, key: str, path: str, size: int, tier: str, fd: int) -> None:
         self.key, self.path, self.size, self.tier = key, path, size, tier
         self._fd = fd
+        self._pid = os.getpid()
         self._lock = threading.Lock()
 
     @property
@@ -72,6 +74,9 @@ class CacheHandle:
         with self._lock:
             fd, self._fd = self._fd, -1
         if fd < 0:
+            return
+        if self._pid != os.getpid():  # a forked child's copy: the pin (and a pass file) are the parent's
+            os.close(fd)
             return
         if self.tier == "pass":
             try:
@@ -111,6 +116,7 @@ class NodeCache:
         self.index = Index(self.control_dir)
         self._node_fd, self.token, self.reconciled = _reconcile.open_node(self)
         self._closed = False
+        _live.add(self)
 
     def _pick_control_dir(self) -> str:
         for base in (self.config.ssd_dir, self.config.ram_dir):
@@ -128,6 +134,16 @@ class NodeCache:
             if tier.enabled:
                 return tier.data_dir
         return ensure_private_dir(os.path.join(self.control_dir, "pass"))
+
+    def _after_fork_in_child(self) -> None:
+        # The inherited node-lock descriptor shares its lock with the parent: unlocking it (close())
+        # would drop the parent's hold and let a new opener "reconcile" under it. Take our own.
+        if not self._closed and self._node_fd >= 0:
+            inherited, self._node_fd = self._node_fd, -1
+            try:
+                self._node_fd = _reconcile.join_node(self)
+            finally:
+                os.close(inherited)  # just closed: the parent's descriptor keeps the parent's lock
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         """Swap the eviction policy (e.g. when a dataset learns its future access order)."""
@@ -294,6 +310,12 @@ class NodeCache:
             if not lock.acquire(blocking=False):
                 return None  # someone else is working on this key: serve from SSD
         try:
+            if lock is not None:  # the entry may have changed between our lookup and taking its lock
+                with self.index.read() as txn:
+                    now = txn.get(key)
+                if now is None or "ram" in now.tiers or \
+                        now.tiers.get("ssd", {}).get("file") != os.path.basename(ssd_handle.path):
+                    return None
             tmp = self.ram.temp_path(key_id(key))
             try:
                 shutil.copyfile(ssd_handle.path, tmp)
@@ -317,6 +339,7 @@ class NodeCache:
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict[str, Any]:
         """Node-wide counters (summed over every process sharing the index) and tier usage."""
+        self.index.flush()
         with self.index.read() as txn:
             out: dict[str, Any] = {k: (v if k == "fetch_seconds" else int(v)) for k, v in txn.counters().items()}
             for name, tier in self.tiers.items():
@@ -362,6 +385,20 @@ class NodeCache:
 
     def __repr__(self) -> str:
         return f"NodeCache({self.ram!r}, {self.ssd!r}, policy={self.policy.name})"
+
+
+_live: "weakref.WeakSet[NodeCache]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_live):
+        try:
+            cache._after_fork_in_child()
+        except OSError as exc:
+            log.warning("datacache: cannot rejoin the cache at %s after fork: %s", cache.control_dir, exc)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _unlink(path: str) -> None:

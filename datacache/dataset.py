@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 import torch.utils.data as tud
 
 from ._consumer import Consumer, collate, node_schedule
@@ -34,6 +35,16 @@ from .storage import Store, open_store
 __all__ = ["StreamingDataset"]
 
 _STATE_VERSION = 1
+
+
+def _shared_int() -> torch.Tensor:
+    """A 0-d int64 tensor in shared memory: DataLoader workers (fork or spawn) share it with the
+    main process, so a value set there later is seen by persistent workers."""
+    t = torch.zeros((), dtype=torch.int64)
+    try:
+        return t.share_memory_()
+    except (RuntimeError, OSError):  # no shared memory: persistent workers will not see set_epoch
+        return t
 
 
 def _make_cache(cache: CacheConfig | NodeCache | None) -> NodeCache:
@@ -81,12 +92,22 @@ class StreamingDataset(tud.IterableDataset):
                 raise ValueError(f"world size {self.dist.world_size} is not a multiple of replication={replication}")
             dp_size, dp_rank = self.dist.world_size // replication, self.dist.rank // replication
         self.dp_size, self.dp_rank = int(dp_size), int(dp_rank)
+        self._epoch = _shared_int()
         self.epoch = 0
         self._resume: dict[str, Any] | None = None
         self._consumer: Consumer | None = None
         self._worker = (0, 1)
 
     # ------------------------------------------------------------------ plan
+    @property
+    def epoch(self) -> int:
+        """The current epoch; in shared memory, so persistent DataLoader workers see ``set_epoch``."""
+        return int(self._epoch)
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._epoch.fill_(int(value))
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (reshuffles); call before iterating, as with DistributedSampler."""
         if self._resume is not None and self._resume["epoch"] != epoch:
@@ -127,6 +148,8 @@ class StreamingDataset(tud.IterableDataset):
         info = tud.get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
         self._worker = (worker_id, num_workers)
+        if self._resume is not None and self._resume["epoch"] != self.epoch:
+            self._resume = None  # set_epoch moved on (seen here only through the shared epoch)
         spec = self._spec(num_workers, worker_id)
         order, skip = self._resume_order(spec)
         plan = build_plan(self.counts, spec, order=order, reshuffle=order is None)
@@ -187,7 +210,13 @@ class StreamingDataset(tud.IterableDataset):
 
         Called in the main process (``num_workers=0``) or, by ``StatefulDataLoader``, in each worker.
         """
-        worker_id, num_workers = self._worker
+        info = tud.get_worker_info()  # in a DataLoader worker, valid even before __iter__ ran
+        worker_id, num_workers = (info.id, info.num_workers) if info is not None else self._worker
+        if self._resume is not None:  # loaded but not iterated yet: still at the loaded position
+            r = self._resume
+            return {"version": _STATE_VERSION, "epoch": r["epoch"], "seed": self.seed,
+                    "dataset_id": self.manifest.dataset_id, "dp_size": r["dp_size"], "num_workers": r["num_workers"],
+                    "worker_id": worker_id, "consumed": list(r["consumed"]), "chain": list(r["chain"])}
         consumed = [0] * num_workers
         base = getattr(self, "_resume_base", None)
         chain: list[dict[str, Any]] = []

@@ -80,6 +80,7 @@ class Schedule:
     def __init__(self, times: Mapping[Hashable, Sequence[float]], now: float = -INF) -> None:
         self._times = {k: sorted(v) for k, v in times.items()}
         self._now = now
+        self._at: Hashable | None = None  # the key whose read is at ``now`` (auto-advance)
         self._lock = threading.Lock()
 
     @classmethod
@@ -109,15 +110,20 @@ class Schedule:
     def advance(self, now: float) -> None:
         """Move the clock to ``now`` (never backwards)."""
         with self._lock:
-            self._now = max(self._now, now)
+            if now > self._now:
+                self._now, self._at = now, None
 
     def advance_to_next(self, key: Hashable) -> None:
-        """Move the clock to the next read of ``key`` at or after ``now`` (one-sequence use)."""
+        """Move the clock to the next read of ``key`` at or after ``now`` (one-sequence use); a read
+        of ``key`` at ``now`` that an earlier call already moved to is consumed, so consecutive
+        reads of one key move on (``a a b``: 0, 1, 2)."""
         with self._lock:
             ts = self._times.get(key, ())
             i = bisect.bisect_left(ts, self._now)
+            if i < len(ts) and ts[i] == self._now and self._at == key:
+                i += 1
             if i < len(ts):
-                self._now = ts[i]
+                self._now, self._at = ts[i], key
 
     def next_use(self, key: Hashable) -> float:
         ts = self._times.get(key, ())

@@ -14,6 +14,7 @@ import json
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,6 +29,83 @@ COUNTERS = (
     "evictions_ram", "evictions_ssd", "demotions", "promotions", "bypassed", "corrupt", "waited",
 )
 _D = struct.Struct("<d")
+
+# One environment per path per process: LMDB must not be opened twice in one process (closing
+# either copy drops the process's fcntl locks on the lock file while the other is in use).
+_envs: dict[str, list[Any]] = {}  # realpath -> [env, dbs, number of Index objects using it]
+_envs_lock = threading.Lock()
+_indexes: "weakref.WeakSet[Index]" = weakref.WeakSet()
+
+# fork: an environment must not be used in a child, and closing an inherited one there is no
+# better: it aborts the parent's transactions (those in flight in its other threads, and the spare
+# read transaction py-lmdb caches), freeing reader slots the parent still uses. So ``fork`` waits
+# until no transaction of this process is in flight, the parent closes its environments (cheap),
+# and parent and child both re-open them on next use.
+_gate = threading.Condition()
+_in_flight = 0
+
+
+@contextmanager
+def _txn_gate() -> Iterator[None]:
+    global _in_flight
+    with _gate:
+        _in_flight += 1
+    try:
+        yield
+    finally:
+        with _gate:
+            _in_flight -= 1
+            if not _in_flight:
+                _gate.notify_all()
+
+
+def _before_fork() -> None:
+    _gate.acquire()  # held across the fork: no transaction starts meanwhile
+    _gate.wait_for(lambda: not _in_flight)
+    with _envs_lock:
+        for env, _, _ in _envs.values():
+            env.close()
+        _envs.clear()
+    for index in list(_indexes):
+        index._pid = -1
+
+
+def _after_fork_in_parent() -> None:
+    _gate.release()
+
+
+def _after_fork_in_child() -> None:
+    global _gate, _in_flight, _envs_lock
+    _gate, _in_flight, _envs_lock = threading.Condition(), 0, threading.Lock()
+    for index in list(_indexes):
+        index._lock = threading.Lock()  # another thread of the parent may have held it
+        index._pending = {}  # the parent's deltas are the parent's to write
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
+
+
+def _open_env(path: str, map_size: int) -> tuple[Any, dict[str, Any]]:
+    with _envs_lock:
+        rec = _envs.get(os.path.realpath(path))
+        if rec is None:
+            env = lmdb.open(path, subdir=False, max_dbs=4, map_size=map_size, max_readers=2048, sync=False,
+                            metasync=False, readahead=False)
+            rec = [env, {n: env.open_db(n.encode()) for n in ("entries", "meta", "stats")}, 0]
+            _envs[os.path.realpath(path)] = rec
+        rec[2] += 1
+        return rec[0], rec[1]
+
+
+def _close_env(path: str) -> None:
+    with _envs_lock:
+        rec = _envs.get(os.path.realpath(path))
+        if rec is not None:
+            rec[2] -= 1
+            if rec[2] <= 0:
+                del _envs[os.path.realpath(path)]
+                rec[0].close()
 
 
 @dataclass
@@ -58,32 +136,26 @@ class Index:
         self._pid = -1
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}
+        _indexes.add(self)
 
     @property
     def env(self) -> Any:
         if self._pid != os.getpid():
             with self._lock:
-                if self._pid != os.getpid():
-                    if self._env is not None:
-                        # Inherited across fork: close our copy (LMDB only clears reader slots of
-                        # this pid, and fcntl locks are not inherited), then open afresh.
-                        self._env.close()
-                    self._env = lmdb.open(self.path, subdir=False, max_dbs=4, map_size=self._map_size,
-                                          max_readers=2048, sync=False, metasync=False, readahead=False)
-                    self._dbs = {n: self._env.open_db(n.encode()) for n in ("entries", "meta", "stats")}
-                    self._pending = {}
+                if self._pid != os.getpid():  # first use, or first use in a forked child
+                    self._env, self._dbs = _open_env(self.path, self._map_size)
                     self._pid = os.getpid()
         return self._env
 
     @contextmanager
     def read(self) -> Iterator["Txn"]:
-        with self.env.begin(write=False, buffers=False) as txn:
+        with _txn_gate(), self.env.begin(write=False, buffers=False) as txn:
             yield Txn(txn, self._dbs)
 
     @contextmanager
     def write(self) -> Iterator["Txn"]:
         """A write transaction; per-process counter deltas are flushed into it."""
-        with self.env.begin(write=True) as txn:
+        with _txn_gate(), self.env.begin(write=True) as txn:
             t = Txn(txn, self._dbs)
             yield t
             with self._lock:
@@ -97,14 +169,16 @@ class Index:
                 self._pending[k] = self._pending.get(k, 0.0) + v
 
     def flush(self) -> None:
-        """Write pending counter deltas now."""
-        with self.write():
-            pass
+        """Write this process's pending counter deltas now (``stats``, ``close``)."""
+        if self._pending:
+            with self.write():
+                pass
 
     def close(self) -> None:
-        with self._lock:
+        self.flush()  # deltas not yet written (e.g. ``bypassed``, ``waited``) would be lost
+        with _txn_gate(), self._lock:
             if self._env is not None and self._pid == os.getpid():
-                self._env.close()
+                _close_env(self.path)
             self._env = None
             self._pid = -1
 

@@ -4,8 +4,8 @@
 (``s3://bucket/prefix/``, ``file:///abs/dir``, a plain local path, ``memory://x/``, ``gs://``...).
 Whole objects are read as parallel byte-range GETs of ``TransferConfig.part_bytes`` with
 ``TransferConfig.concurrency`` parts in flight, on the store's thread pool (threads named
-``datacache-io-N``); ``read_into`` writes each part at its offset with ``os.pwrite`` so a shard
-never has to be held in memory.
+``datacache-io-N``, 4 x concurrency of them, at most 64, shared by concurrent calls); ``read_into``
+writes each part at its offset with ``os.pwrite`` so a shard never has to be held in memory.
 
 Reliability: every backend call goes through one bounded retry policy (:mod:`datacache._retry`,
 ``RetryConfig``: attempts AND deadline, exponential backoff with full jitter). s3fs's and botocore's
@@ -21,33 +21,31 @@ cached (``use_listings_cache=False``), so ``size``/``exists``/``list`` always as
 Thread-safety and fork-safety: a ``Store`` is thread-safe; any number of threads may call any
 method concurrently. It is also fork-safe: after ``os.fork()`` (DataLoader workers) the child lazily
 builds its own filesystem instance and thread pool on first use (the pid is tracked and locks are
-re-created in the child by an ``os.register_at_fork`` hook).
+re-created in the child by an ``os.register_at_fork`` hook). The parent's filesystem object is
+left untouched in the child (closing it there would disturb the parent's connections); ``stats()``
+restart from zero in the child.
 """
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
 import weakref
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from itertools import count
 from typing import Any, Callable
 
 import fsspec
 from fsspec.core import split_protocol
 
-from ._retry import ShortReadError, retry_call
+from ._retry import ShortReadError, check_name as _check_name, retry_call, secret_values
 from .config import RetryConfig, TransferConfig
 from .errors import IntegrityError, NotFoundError, StorageError
 
 __all__ = ["open_store", "Store"]
 
-log = logging.getLogger(__name__)
-
 _S3 = {"s3", "s3a"}
 _NO_LISTING_CACHE = _S3 | {"gs", "gcs", "abfs", "az", "http", "https"}
-_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature")
 _thread_ids = count()
 _stores: "weakref.WeakSet[Store]" = weakref.WeakSet()
 _inherited: list[Any] = []  # the parent's filesystem objects, kept alive (never closed) in a child
@@ -73,20 +71,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _secrets(obj: Any, under_secret: bool = False) -> set[str]:
-    """String values stored under credential-like keys of (nested) storage options."""
-    found: set[str] = set()
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            found |= _secrets(v, under_secret or any(w in str(k).lower() for w in _SECRET_WORDS))
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            found |= _secrets(v, under_secret)
-    elif under_secret and isinstance(obj, str) and len(obj) >= 4:
-        found.add(obj)
-    return found
-
-
 def _normalize(url: str) -> tuple[str, str]:
     """``(protocol, normalized url ending with "/")``; plain paths become ``file://`` URLs."""
     if "::" in url:
@@ -96,13 +80,6 @@ def _normalize(url: str) -> tuple[str, str]:
         local = os.path.abspath(os.path.expanduser(path))
         return "file", "file://" + local.rstrip("/") + "/"
     return protocol, url.rstrip("/") + "/"
-
-
-def _check_name(name: str) -> str:
-    parts = name.split("/")
-    if name.startswith("/") or "\\" in name or any(p in (".", "..") for p in parts):
-        raise ValueError(f"object name must be relative with no '.' or '..' parts, got {name!r}")
-    return name
 
 
 def _fs_options(protocol: str, storage_options: dict | None, transfer: TransferConfig,
@@ -145,7 +122,7 @@ class Store:
         c = self.transfer.concurrency
         self._pool_size = max(c, min(64, 4 * c))
         self._options = _fs_options(self.protocol, storage_options, self.transfer, self._pool_size)
-        self._secret_values = sorted(_secrets(storage_options or {}), key=len, reverse=True)
+        self._secret_values = secret_values(storage_options)
         self._init_state()
         _stores.add(self)
 
@@ -166,6 +143,7 @@ class Store:
         if self._fs is not None:
             _abandon(self._fs)
         self._fs, self._pool = None, None
+        self._stats = {"requests": 0, "retries": 0, "bytes_read": 0, "bytes_written": 0, "errors": {}}
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in ("protocol", "url", "transfer", "retry", "_pool_size",
@@ -210,7 +188,7 @@ class Store:
                         url=self.url, hint="Check the URL scheme and storage_options; a missing backend "
                         "package (s3fs, gcsfs, adlfs) must be installed") from exc
                 if self.protocol in _S3:
-                    fs.retries = 1  # one attempt per s3fs call (a class attribute): RetryConfig rules
+                    fs.retries = 1  # one attempt per s3fs call (not an __init__ option): RetryConfig rules
                 self._root = fs._strip_protocol(self.url).rstrip("/") + "/"
                 self._fs = fs
             if self._pool is None:
@@ -261,7 +239,8 @@ class Store:
             return False
 
     def list(self, prefix: str = "") -> list[tuple[str, int]]:
-        """``(name, size)`` of every object whose name starts with ``prefix``, recursive, sorted."""
+        """``(name, size)`` of every object whose name starts with ``prefix``, recursive, sorted.
+        A missing or empty prefix gives ``[]``; a missing bucket raises NotFoundError."""
         base = prefix[: prefix.rfind("/") + 1] if "/" in prefix else ""
         if base:
             _check_name(base.rstrip("/"))
@@ -405,9 +384,11 @@ class Store:
                         f.result()
             for f in pending:
                 f.result()
-        except BaseException:
+        except BaseException as exc:
             failed.set()
             for f in pending:
                 f.cancel()
             wait(pending)
+            if isinstance(exc, (CancelledError, RuntimeError)) and self._closed:
+                raise StorageError("read: the store was closed during the read", url=self.url_of(name)) from exc
             raise

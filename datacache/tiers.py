@@ -80,7 +80,10 @@ class Tier:
             probe = os.path.join(self.data_dir, f".tmp-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             with open(probe, "wb"):
                 pass
-            os.unlink(probe)
+            try:
+                os.unlink(probe)
+            except FileNotFoundError:  # a first opener reconciling right now removes .tmp- files
+                pass
         except CacheError:
             raise
         except OSError as exc:
@@ -90,7 +93,12 @@ class Tier:
 
     def _fit_free_space(self) -> None:
         usage = shutil.disk_usage(self.data_dir)
-        ours = sum(e.stat().st_size for e in os.scandir(self.data_dir) if e.is_file(follow_symlinks=False))
+        ours = 0
+        for e in os.scandir(self.data_dir):
+            try:  # other processes' temp and pass files come and go while we look
+                ours += e.stat(follow_symlinks=False).st_size if e.is_file(follow_symlinks=False) else 0
+            except FileNotFoundError:
+                pass
         available = int((usage.free + ours) * _FREE_SHARE)
         if self.budget > available:
             if available < _MIN_TIER_BYTES:

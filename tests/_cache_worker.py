@@ -59,15 +59,17 @@ def read_fetch_log(log_dir: str) -> list[tuple[str, str]]:
 
 
 def make_fetch(key: str, size: int, log_dir: str, tag: str = "", *, chunk: int = 0, delay: float = 0.0,
-               mid_write: Any = None):
+               delay_after: float | None = None, mid_write: Any = None):
     """``fetch(path)`` writing ``key``'s bytes into ``path``; logs the call first.
 
     With ``chunk``, writes ``chunk`` bytes at a time sleeping ``delay`` between chunks, and calls
-    ``mid_write()`` (e.g. an Event's ``set``) once a third of the bytes are written.
+    ``mid_write()`` (e.g. an Event's ``set``) once a third of the bytes are written; after that it
+    sleeps ``delay_after`` (default ``delay``) between chunks.
     """
     def fetch(path: str) -> None:
         log_fetch(log_dir, key, tag)
         data = key_bytes(key, size)
+        pause, signal_mid = delay, mid_write
         with open(path, "r+b") as f:
             if not chunk:
                 f.write(data)
@@ -75,10 +77,11 @@ def make_fetch(key: str, size: int, log_dir: str, tag: str = "", *, chunk: int =
             for off in range(0, size, chunk):
                 f.write(data[off:off + chunk])
                 f.flush()
-                if mid_write is not None and off + chunk >= size // 3:
-                    mid_write()
-                    mid_write = None
-                time.sleep(delay)
+                if signal_mid is not None and off + chunk >= size // 3:
+                    signal_mid()
+                    signal_mid = None
+                    pause = delay if delay_after is None else delay_after
+                time.sleep(pause)
     return fetch
 
 
@@ -87,7 +90,11 @@ def get_checked(cache: NodeCache, key: str, log_dir: str, tag: str = "", size: i
     """``cache.get`` with the key's fetch, size and hash; checks the bytes, returns the handle."""
     size = key_size(key) if size is None else size
     h = cache.get(key, make_fetch(key, size, log_dir, tag, **fetch_kw), size=size, hash=key_hash(key, size))
-    data = bytes(h.mmap()) if use_mmap else h.read()
+    if use_mmap:
+        with h.mmap() as m:
+            data = m[:]
+    else:
+        data = h.read()
     if data != key_bytes(key, size):
         h.release()
         raise AssertionError(f"wrong bytes for {key} from tier {h.tier} at {h.path}")
@@ -146,7 +153,8 @@ def same_key_worker(cfg: dict, key: str, size: int, log_dir: str, barrier: Any, 
 def slow_fetcher(cfg: dict, key: str, size: int, log_dir: str, mid_write: Any) -> None:
     """Fetch ``key`` very slowly, calling ``mid_write.set()`` mid-way; meant to be SIGKILLed."""
     cache = NodeCache(CacheConfig(**cfg))
-    get_checked(cache, key, log_dir, "killed", size=size, chunk=size // 200, delay=0.05, mid_write=mid_write.set)
+    get_checked(cache, key, log_dir, "killed", size=size, chunk=size // 200, delay=0.002, delay_after=0.1,
+                mid_write=mid_write.set)
     os.kill(os.getpid(), signal.SIGKILL)  # never reached in the tests: the parent kills us first
 
 

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from tools.s3server import SeaweedServer
 from tools.slowlink import SlowLink
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,10 +47,16 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(b"")
 
 
+class _Origin(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # clients cut by injected resets are expected; socketserver would print a traceback
+
+
 @pytest.fixture(scope="module")
 def origin() -> Iterator[ThreadingHTTPServer]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.daemon_threads = True
+    server = _Origin(("127.0.0.1", 0), _Handler)
     server.seen = 0  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, name="test-origin", daemon=True)
     thread.start()
@@ -236,3 +243,11 @@ def test_s3server_cli_starts_a_second_server_and_stops_on_sigterm() -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     assert not os.path.exists(log_dir)
+
+
+def test_s3server_reports_a_failed_start() -> None:
+    server = SeaweedServer(binary="/bin/false", startup_timeout=10)
+    with pytest.raises(RuntimeError, match="did not become ready") as info:
+        server.start()
+    assert "exited" in str(info.value) and server.dir is None
+    server.stop()  # idempotent

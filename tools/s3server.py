@@ -82,7 +82,9 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 class SeaweedServer:
     """One ``weed mini`` process serving S3 at ``endpoint_url`` with ``bucket`` created.
 
-    Context manager; ``start()`` returns ``self``. Logs go to ``<dir>/server.log``.
+    Context manager; ``start()`` returns ``self``. Logs go to ``<dir>/server.log``. With
+    ``data_dir`` the objects persist there across runs (the demo keeps its dataset); otherwise
+    everything lives in a temporary directory removed by ``stop()``.
     """
 
     def __init__(
@@ -93,8 +95,10 @@ class SeaweedServer:
         secret_key: str = DEFAULT_SECRET,
         startup_timeout: float = 60.0,
         binary: str | None = None,
+        data_dir: str | None = None,
     ) -> None:
         self.bucket = bucket
+        self.data_dir = os.path.abspath(data_dir) if data_dir else None
         self.access_key = access_key
         self.secret_key = secret_key
         self.startup_timeout = startup_timeout
@@ -148,15 +152,19 @@ class SeaweedServer:
         atexit.register(self.stop)
         deadline = time.monotonic() + self.startup_timeout
         last_error = ""
-        for _attempt in range(3):  # a port chosen free may be taken before weed binds it
-            self._launch(binary)
-            ok, last_error = self._wait_ready(deadline)
-            if ok:
-                return self
-            self._terminate()
-            if "address already in use" not in self._log_tail().lower() or time.monotonic() > deadline:
-                break
-        tail = self._log_tail()
+        try:
+            for _attempt in range(3):  # a port chosen free may be taken before weed binds it
+                self._launch(binary)
+                ok, last_error = self._wait_ready(deadline)
+                if ok:
+                    return self
+                self._terminate()
+                if "address already in use" not in self._log_tail().lower() or time.monotonic() > deadline:
+                    break
+            tail = self._log_tail()
+        except BaseException:
+            self.stop()
+            raise
         self.stop()
         raise RuntimeError(
             f"SeaweedFS did not become ready at {self.endpoint_url} within {self.startup_timeout:.0f}s "
@@ -167,8 +175,15 @@ class SeaweedServer:
         assert self.dir is not None
         ports = free_ports(len(_PORT_FLAGS))
         self.ports = dict(zip(_PORT_FLAGS, ports))
-        data = os.path.join(self.dir, "data")
-        os.makedirs(data, exist_ok=True)
+        if self.data_dir:  # persistent: keep the objects, forget the flags (ports) of the last run
+            data = self.data_dir
+            os.makedirs(data, exist_ok=True)
+            for path in glob.glob(os.path.join(data, "**", "mini.options"), recursive=True):
+                os.unlink(path)
+        else:
+            data = os.path.join(self.dir, "data")
+            shutil.rmtree(data, ignore_errors=True)  # fresh per attempt: weed saves its flags in mini.options
+            os.makedirs(data)
         args = [binary, "-logtostderr", "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-bucket={self.bucket}", "-master.telemetry=false", "-admin.ui=false"]
         args += [f"-{flag}={port}" for flag, port in self.ports.items()]

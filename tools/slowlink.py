@@ -123,6 +123,8 @@ class SlowLink:
         """Start listening (returns once ``port`` is known)."""
         if self._thread is not None:
             return self
+        if self._stopped:
+            raise RuntimeError("a stopped SlowLink cannot be restarted; make a new one")
         ready = threading.Event()
         error: list[BaseException] = []
 

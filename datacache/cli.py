@@ -1,0 +1,399 @@
+"""The ``datacache`` command line: warm, stat, ls, index, write, verify, clear.
+
+The argument parser, the settings (flags > environment variables > ``CacheConfig`` defaults), error
+reporting and exit codes live here; the subcommands themselves are in :mod:`datacache._cli_cmds`.
+
+Exit codes: 0 ok, 1 verification mismatch, 2 usage error, 3 data or storage error, 130 interrupted.
+Errors are reported as one line, ``datacache: error: <message>``, without a traceback unless
+``--debug`` is given. Run ``python -m datacache.cli`` or the ``datacache`` console script.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import __version__
+from ._cli_cmds import COMMANDS, Ctx, UsageError
+from .config import CacheConfig, parse_size
+from .errors import DatacacheError
+from .plan import DEFAULT_WINDOW
+
+__all__ = ["main", "build_parser", "config_from_env", "cache_config_from", "storage_options_from", "ENV_VARS",
+           "EXIT_OK", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_DATA", "EXIT_INTERRUPTED"]
+
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_DATA, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+# CacheConfig field -> environment variable. Flags override these; these override the defaults.
+ENV_VARS: dict[str, str] = {
+    "ram_bytes": "DATACACHE_RAM_BYTES",
+    "ssd_bytes": "DATACACHE_SSD_BYTES",
+    "ram_dir": "DATACACHE_RAM_DIR",
+    "ssd_dir": "DATACACHE_SSD_DIR",
+    "policy": "DATACACHE_POLICY",
+}
+_POLICIES = ("auto", "lru", "clairvoyant")
+
+
+def config_from_env(overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> CacheConfig:
+    """A ``CacheConfig`` from ``DATACACHE_*`` environment variables, with ``overrides`` (non-None
+    values, e.g. command-line flags) on top; anything unset keeps the ``CacheConfig`` default.
+
+    Raises ``UsageError`` (a ``ValueError``) naming the variable or setting that is invalid.
+    """
+    env = os.environ if env is None else env
+    kw: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for name, var in ENV_VARS.items():
+        value = env.get(var)
+        if value not in (None, ""):
+            kw[name], source[name] = value, f"environment variable {var}"
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            kw[name], source[name] = value, f"--{name.replace('_', '-')}"
+    for name in ("ram_bytes", "ssd_bytes"):
+        if name in kw:
+            try:
+                kw[name] = parse_size(kw[name])
+            except ValueError as exc:
+                raise UsageError(f"{source[name]}: {exc}") from None
+    if "policy" in kw and kw["policy"] not in _POLICIES:
+        raise UsageError(f"{source['policy']}: policy must be one of {', '.join(_POLICIES)}, not {kw['policy']!r}")
+    return CacheConfig(**kw)
+
+
+def cache_config_from(args: argparse.Namespace) -> CacheConfig:
+    """The cache settings of a parsed command line: flags > environment variables > defaults."""
+    return config_from_env({name: getattr(args, name, None) for name in ENV_VARS})
+
+
+def storage_options_from(args: argparse.Namespace) -> dict[str, Any]:
+    """``--storage-options`` (JSON, or ``@file.json``) plus ``--endpoint-url``. Credentials and the
+    endpoint otherwise come from the usual AWS environment variables (``AWS_ENDPOINT_URL``...)."""
+    opts: dict[str, Any] = {}
+    text = getattr(args, "storage_options", None)
+    if text:
+        if text.startswith("@"):
+            try:
+                with open(text[1:], encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as exc:
+                raise UsageError(f"--storage-options: cannot read {text[1:]}: {exc.strerror}") from None
+        try:
+            opts = json.loads(text)
+        except ValueError as exc:
+            raise UsageError(f"--storage-options is not valid JSON ({exc})") from None
+        if not isinstance(opts, dict):
+            raise UsageError("--storage-options must be a JSON object, e.g. '{\"anon\": true}'")
+    endpoint = getattr(args, "endpoint_url", None)
+    if endpoint:
+        client_kwargs = dict(opts.get("client_kwargs") or {})
+        client_kwargs["endpoint_url"] = endpoint
+        opts["client_kwargs"] = client_kwargs
+    return opts
+
+
+# --------------------------------------------------------------------------------------- parser
+_TOP_EPILOG = """\
+examples:
+  datacache ls s3://bucket/imagenet/
+  datacache warm s3://bucket/imagenet/ --world-size 16 --nproc-per-node 8 --node-rank 1 --workers 4
+  datacache stat --json
+  datacache index s3://bucket/hf-dataset/ --format parquet --pattern 'data/train-*.parquet'
+  datacache write ./images/ s3://bucket/images/ --format tar --group
+  datacache verify s3://bucket/imagenet/ --cached-only
+  datacache clear --ram
+
+settings (flag > environment variable > default):
+  --ram-bytes  DATACACHE_RAM_BYTES   RAM tier budget              (4GB)
+  --ssd-bytes  DATACACHE_SSD_BYTES   SSD tier budget              (64GB)
+  --ram-dir    DATACACHE_RAM_DIR     RAM tier directory           (/dev/shm/datacache-$USER)
+  --ssd-dir    DATACACHE_SSD_DIR     SSD tier directory           (~/.cache/datacache)
+  --policy     DATACACHE_POLICY      auto | lru | clairvoyant     (auto)
+  --endpoint-url  AWS_ENDPOINT_URL   S3-compatible endpoint; credentials from the usual AWS_* variables
+
+exit codes:
+  0    success
+  1    verification found a mismatch (datacache verify)
+  2    usage error (bad flag, bad value)
+  3    data or storage error (object missing, no permission, corrupt or invalid data)
+  130  interrupted (Ctrl-C); the cache stays consistent
+"""
+
+_EPILOGS = {
+    "warm": """\
+Fills this node's cache with the shards this node's ranks read first in the given epoch, in the
+order they need them (the same plan StreamingDataset computes), up to the tier budgets or
+--bytes/--fraction. The RAM tier gets the first shards, the SSD tier the next ones. Running it
+again fetches nothing; Ctrl-C stops promptly and leaves a consistent cache.
+
+examples:
+  # one process, no DataLoader workers, seed 0, epoch 0
+  datacache warm s3://bucket/ds/
+  # node 1 of a 2-node job with 8 ranks per node and 4 DataLoader workers per rank
+  datacache warm s3://bucket/ds/ --world-size 16 --node-rank 1 --nproc-per-node 8 --workers 4
+  # the same, naming the ranks; only the first 10% of what the node reads
+  datacache warm s3://bucket/ds/ --world-size 16 --ranks 8-15 --workers 4 --fraction 0.1
+  # what would be warmed, without fetching
+  datacache warm s3://bucket/ds/ --dry-run --json
+""",
+    "stat": """\
+Per tier: budget, bytes used, entries, hits and misses (a RAM miss is an SSD hit or a fetch);
+bytes fetched from remote storage; and, per cached dataset (id = key prefix), entries and bytes.
+
+examples:
+  datacache stat
+  datacache stat --json | jq .datasets
+  DATACACHE_SSD_DIR=/nvme/cache datacache stat
+""",
+    "ls": """\
+Summary of a dataset's manifest: dataset id, format, schema, shards, samples and bytes.
+
+examples:
+  datacache ls s3://bucket/ds/
+  datacache ls s3://bucket/ds/ --shards
+  datacache ls /data/ds --json
+""",
+    "index": """\
+Builds manifest.json for objects already at a prefix (e.g. a Hugging Face Parquet dataset, or
+WebDataset tars) without rewriting them. Sample counts come from the Parquet footers (two small
+range reads per file, checked before anything else is read) or, for tar and lmdb, from the local
+copy that hashing makes. Hashing needs every object to be read once (a progress bar shows it):
+the manifest records a content hash per shard so the cache can verify what it serves.
+
+examples:
+  datacache index s3://bucket/hf/ --format parquet --pattern 'data/train-*.parquet'
+  datacache index s3://bucket/wds/ --format tar
+  datacache index /data/lmdb-shards --format lmdb --threads 4
+""",
+    "write": """\
+Converts SRC into a datacache dataset at DEST. SRC may be:
+  a folder     one sample per file: {"__key__": relative path, "data": bytes}; with --group, files
+               sharing a basename up to the first '.' form one sample, one field per extension
+               (WebDataset-style: a/0001.jpg + a/0001.cls -> {"__key__": "a/0001", "jpg", "cls"})
+  a .parquet   one sample per row
+  a .jsonl     one sample per line (a JSON object); lists and objects become JSON strings
+  a dataset    a URL or folder with a manifest.json (samples are copied in shard order)
+Tar shards cannot hold a "__key__" field: it is written as "key" instead.
+
+examples:
+  datacache write ./images/ s3://bucket/images/ --format tar --group
+  datacache write rows.jsonl s3://bucket/rows/ --shard-bytes 128MB
+  datacache write s3://bucket/parquet-ds/ s3://bucket/zstd-ds/ --format zstd
+""",
+    "verify": """\
+Checks shards against the content hashes in the manifest: the files of this dataset in the node
+cache (re-hashed in place) and the remote objects (streamed and hashed). Exit code 1 and a list
+of the mismatches if any differ.
+
+examples:
+  datacache verify s3://bucket/ds/
+  datacache verify s3://bucket/ds/ --cached-only --json
+""",
+    "clear": """\
+Removes cache entries (files in use by a reader are skipped). Neither --ram nor --ssd: both tiers.
+
+examples:
+  datacache clear
+  datacache clear --ram
+  datacache clear --dataset ds-0123456789abcdef01234567
+""",
+}
+
+
+def _size(text: str) -> int:
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert size is not None
+    return size
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _pos_int(text: str) -> int:
+    value = _nonneg_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _add_global_options(p: argparse.ArgumentParser, top: bool) -> None:
+    """Options accepted before and after the subcommand (in subparsers they default to SUPPRESS so
+    a value given before the subcommand is not overwritten)."""
+    def d(value: Any) -> Any:
+        return value if top else argparse.SUPPRESS
+    g = p.add_argument_group("global options")
+    g.add_argument("--ram-bytes", metavar="SIZE", default=d(None),
+                   help="RAM tier budget, e.g. 8GB or 512MiB; 0 disables it (env DATACACHE_RAM_BYTES, default 4GB)")
+    g.add_argument("--ssd-bytes", metavar="SIZE", default=d(None),
+                   help="SSD tier budget; 0 disables it (env DATACACHE_SSD_BYTES, default 64GB)")
+    g.add_argument("--ram-dir", metavar="DIR", default=d(None),
+                   help="RAM tier directory (env DATACACHE_RAM_DIR, default /dev/shm/datacache-$USER)")
+    g.add_argument("--ssd-dir", metavar="DIR", default=d(None),
+                   help="SSD tier directory (env DATACACHE_SSD_DIR, default ~/.cache/datacache)")
+    g.add_argument("--policy", choices=_POLICIES, default=d(None),
+                   help="eviction policy (env DATACACHE_POLICY, default auto)")
+    g.add_argument("--storage-options", metavar="JSON", default=d(None),
+                   help="fsspec storage options as a JSON object, or @file.json")
+    g.add_argument("--endpoint-url", metavar="URL", default=d(None),
+                   help="S3-compatible endpoint (else AWS_ENDPOINT_URL)")
+    g.add_argument("--json", action="store_true", default=d(False), help="machine-readable output on stdout")
+    g.add_argument("--quiet", "-q", action="store_true", default=d(False), help="no progress bars")
+    g.add_argument("--debug", action="store_true", default=d(False), help="debug logging and full tracebacks")
+
+
+def _sub(subs: Any, name: str, help: str) -> argparse.ArgumentParser:
+    p = subs.add_parser(name, help=help, description=help, epilog=_EPILOGS[name], allow_abbrev=False,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_global_options(p, top=False)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="datacache", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_TOP_EPILOG, allow_abbrev=False,
+        description="Node-local RAM+SSD cache and clairvoyant prefetcher for training data on object storage.")
+    parser.add_argument("--version", action="version", version=f"datacache {__version__}")
+    _add_global_options(parser, top=True)
+    subs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = _sub(subs, "warm", "fill this node's cache with what its ranks read first")
+    p.add_argument("url", metavar="URL", help="dataset prefix (holding manifest.json)")
+    g = p.add_argument_group("plan (must match the training job's StreamingDataset)")
+    g.add_argument("--epoch", type=_nonneg_int, default=0, help="epoch to warm for (default 0)")
+    g.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
+    g.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True, help="shuffle (default on)")
+    g.add_argument("--window", type=_pos_int, default=DEFAULT_WINDOW,
+                   help=f"shuffle window in shards (default {DEFAULT_WINDOW})")
+    g.add_argument("--drop-last", action="store_true", help="drop_last=True in the dataset")
+    g.add_argument("--world-size", type=_pos_int, default=1, help="number of ranks in the job (default 1)")
+    g.add_argument("--replication", type=_pos_int, default=1,
+                   help="ranks per data-parallel group reading identical samples (default 1)")
+    g.add_argument("--ranks", metavar="LIST", default=None, help="global ranks on this node, e.g. 0-7 or 0,2,4-6")
+    g.add_argument("--node-rank", type=_nonneg_int, default=None, help="this node's index (with --nproc-per-node)")
+    g.add_argument("--nproc-per-node", type=_pos_int, default=None, help="ranks per node")
+    g.add_argument("--workers", type=_nonneg_int, default=0,
+                   help="DataLoader num_workers per rank (default 0: the main process reads)")
+    g = p.add_argument_group("how much and how")
+    g.add_argument("--bytes", type=_size, default=None, metavar="SIZE", help="warm at most this many bytes")
+    g.add_argument("--fraction", type=_fraction, default=None,
+                   help="warm at most this fraction of the bytes this node reads in the epoch")
+    g.add_argument("--threads", type=_pos_int, default=8, help="shards fetched at once (default 8)")
+    g.add_argument("--dry-run", action="store_true", help="show what would be warmed; fetch nothing")
+
+    p = _sub(subs, "stat", "cache usage, hit rates and cached datasets")
+
+    p = _sub(subs, "ls", "summary of a dataset's manifest")
+    p.add_argument("url", metavar="URL", help="dataset prefix (holding manifest.json)")
+    p.add_argument("--shards", "-l", action="store_true", help="also list every shard")
+
+    p = _sub(subs, "index", "build manifest.json for existing parquet/tar/lmdb files")
+    p.add_argument("url", metavar="URL", help="prefix holding the files")
+    p.add_argument("--format", required=True, choices=("parquet", "tar", "lmdb"), help="format of the files")
+    p.add_argument("--pattern", metavar="GLOB", default=None,
+                   help="which objects (relative names; '*' crosses '/'); default '*.parquet' / '*.tar' / '*.lmdb'")
+    p.add_argument("--threads", type=_pos_int, default=8, help="objects read at once (default 8)")
+    p.add_argument("--force", action="store_true", help="replace an existing manifest.json")
+
+    p = _sub(subs, "write", "convert a folder, Parquet, JSONL or dataset into a dataset")
+    p.add_argument("src", metavar="SRC", help="folder, .parquet file, .jsonl file, or dataset URL")
+    p.add_argument("dest", metavar="DEST", help="URL of the new dataset")
+    p.add_argument("--format", default="zstd", choices=("zstd", "parquet", "lmdb", "tar"),
+                   help="shard format (default zstd)")
+    p.add_argument("--shard-bytes", type=_size, default=64_000_000, metavar="SIZE",
+                   help="roll shards at this many payload bytes (default 64MB)")
+    p.add_argument("--group", action="store_true", help="folder: group files by basename (WebDataset-style)")
+    p.add_argument("--src-type", choices=("auto", "folder", "parquet", "jsonl", "dataset"), default="auto",
+                   help="what SRC is (default: guessed from it)")
+    p.add_argument("--force", action="store_true", help="write even if DEST already has a manifest.json")
+
+    p = _sub(subs, "verify", "check cached and/or remote shards against the manifest hashes")
+    p.add_argument("url", metavar="URL", help="dataset prefix (holding manifest.json)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--cached-only", action="store_true", help="only the files in the node cache")
+    only.add_argument("--remote-only", action="store_true", help="only the remote objects")
+    p.add_argument("--threads", type=_pos_int, default=8, help="objects read at once (default 8)")
+
+    p = _sub(subs, "clear", "remove cache entries")
+    p.add_argument("--ram", action="store_true", help="clear the RAM tier")
+    p.add_argument("--ssd", action="store_true", help="clear the SSD tier")
+    p.add_argument("--dataset", metavar="ID", default=None, help="only this dataset's entries (see `datacache stat`)")
+    return parser
+
+
+# ----------------------------------------------------------------------------------------- main
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text
+
+
+def _setup_logging(debug: bool) -> None:
+    logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if debug else logging.WARNING,
+                        format="%(name)s: %(levelname)s: %(message)s" if debug else "%(message)s")
+    if not debug:  # third-party chatter (botocore, s3fs) only in --debug
+        for name in ("botocore", "s3fs", "fsspec", "aiobotocore", "urllib3"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (see the module docstring)."""
+    import readers
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.debug)
+
+    def fail(code: int, message: str) -> int:
+        print(f"datacache: error: {message}", file=sys.stderr)
+        return code
+
+    try:
+        ctx = Ctx(args=args, json=args.json, quiet=args.quiet, debug=args.debug,
+                  cache_config=lambda: cache_config_from(args), storage_options=storage_options_from(args))
+        return int(COMMANDS[args.command](ctx) or 0)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("datacache: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except UsageError as exc:
+        if args.debug:
+            raise
+        parser.print_usage(sys.stderr)
+        return fail(EXIT_USAGE, _one_line(exc))
+    except (DatacacheError, readers.ReaderError, OSError) as exc:
+        if args.debug:
+            raise
+        return fail(EXIT_DATA, _one_line(exc))
+    except Exception as exc:  # unexpected: still one line unless --debug
+        if args.debug:
+            raise
+        return fail(EXIT_DATA, f"{type(exc).__name__}: {_one_line(exc)} (run with --debug for the traceback)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
