@@ -17,13 +17,24 @@ __version__ = "0.1.0"
 
 from .cache import CacheHandle, NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
-from .dataset import StreamingDataset
 from .errors import (CacheError, DatacacheError, IntegrityError, ManifestError, NotFoundError,
                      PermissionDeniedError, ReaderError, StorageError, TransientStorageError)
 from .eviction import ClairvoyantPolicy, LRUPolicy, Schedule
 from .manifest import Manifest, ShardInfo, load_manifest
 from .storage import Store, open_store
 from .writer import DatasetWriter, write_dataset
+
+
+
+def __getattr__(name: str) -> object:
+    # StreamingDataset subclasses torch's IterableDataset: import torch only when it is used, so
+    # the CLI and the cache start fast.
+    if name == "StreamingDataset":
+        from .dataset import StreamingDataset
+
+        return StreamingDataset
+    raise AttributeError(f"module 'datacache' has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",

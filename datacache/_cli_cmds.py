@@ -347,12 +347,12 @@ def _warm(ctx: Ctx, store: Store, manifest: Manifest, cache: NodeCache, order: l
     try:
         # RAM part first, in need order: the cache puts fills into RAM while it has room.
         _run_pool(ram_part, one, a.threads, stop, "datacache-warm")
-        retry = [s for s in ram_part if s in tally.not_admitted] if cache.ssd.enabled else []
+        retry = tally.not_admitted if cache.ssd.enabled else []
         if retry or ssd_part:
             # A fill the policy does not admit to a full RAM tier is not cached at all, so the SSD
-            # part is filled with the RAM tier switched off for this process only.
-            for s in retry:
-                tally.not_admitted.remove(s)
+            # part is filled with the RAM tier switched off for this process only (retrying there
+            # the RAM part's shards that RAM did not admit, e.g. for lack of unpinned room).
+            tally.not_admitted = []
             progress.grow(sum(size_of[s] for s in retry), len(retry))
             ram_on, cache.ram.enabled = cache.ram.enabled, False
             try:

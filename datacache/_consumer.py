@@ -61,9 +61,14 @@ class Consumer:
             cache.set_policy(ClairvoyantPolicy(schedule))
         self.windows = [self._trim(w, skip) for w in plan.windows if w[1] > skip]
         items = [s for _, _, shards in self.windows for s in shards]
+        # Stage 1: shards into the cache, far ahead (network-bound, adaptive, byte-bounded).
         self.prefetcher: Prefetcher[int, CacheHandle] = Prefetcher(
             items, self._load, size_of=lambda s: manifest.shards[s].bytes, release=CacheHandle.release,
             config=prefetch, name=name)
+        # Stage 2: the next window decoded while the current one is consumed (one window ahead).
+        self.decoder: Prefetcher[int, _Window] = Prefetcher(
+            range(len(self.windows)), self._decode, release=_Window.release, config=_DECODE_AHEAD,
+            name=f"{name}-decode")
         self.consumed = skip
         self.skipped_shards = 0
 
@@ -84,31 +89,38 @@ class Consumer:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         try:
-            for a, b, shards in self.windows:
+            for a, _, _ in self.windows:
                 if self.schedule is not None:
                     self.schedule.advance(self.epoch + a / max(len(self.plan), 1))
-                yield from self._window(max(a, self.skip), b, shards)
+                window = self.decoder.take()
+                try:
+                    for s, i in zip(window.shard_of, window.local):
+                        samples = window.decoded[s]
+                        self.consumed += 1
+                        if samples is not None:
+                            yield samples[i]
+                finally:
+                    window.release()
         finally:
             self.close()
 
-    def _window(self, a: int, b: int, shards: list[int]) -> Iterator[dict[str, Any]]:
+    def _decode(self, wi: int) -> "_Window":
+        """Runs on the decode thread: pin the window's shards (waiting on stage 1) and read them."""
         assert self.plan.samples is not None
-        handles = []
+        a, b, shards = self.windows[wi]
+        handles: list[CacheHandle] = []
         try:
             for _ in shards:
                 handles.append(self.prefetcher.take())
-            ids = self.plan.samples[a:b]
+            ids = self.plan.samples[max(a, self.skip):b]
             shard_of = np.searchsorted(self.manifest.offsets, ids, side="right") - 1
             local = ids - np.asarray(self.manifest.offsets)[shard_of]
             decoded = {s: self._read(s, h, local[shard_of == s]) for s, h in zip(shards, handles)}
-            for s, i in zip(shard_of.tolist(), local.tolist()):
-                samples = decoded[s]
-                self.consumed += 1
-                if samples is not None:
-                    yield samples[i]
-        finally:
+        except BaseException:
             for h in handles:
                 h.release()
+            raise
+        return _Window(handles, shard_of.tolist(), local.tolist(), decoded)
 
     def _read(self, shard: int, handle: CacheHandle, wanted: np.ndarray) -> dict[int, Any] | None:
         lo, hi = int(wanted.min()), int(wanted.max()) + 1
@@ -126,8 +138,30 @@ class Consumer:
             warnings.warn(f"datacache: skipping shard: {err}", stacklevel=2)
             return None
 
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds the consumer waited for data (network and decoding) in this epoch."""
+        return self.decoder.wait_seconds
+
     def close(self) -> None:
+        self.decoder.close()
         self.prefetcher.close()
+
+
+_DECODE_AHEAD = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=1, max_lookahead_bytes=1, adaptive=False)
+
+
+class _Window:
+    """A decoded window: pinned handles, read order (shard, local index) and decoded samples."""
+
+    def __init__(self, handles: list[CacheHandle], shard_of: list[int], local: list[int],
+                 decoded: dict[int, dict[int, Any] | None]) -> None:
+        self.handles, self.shard_of, self.local, self.decoded = handles, shard_of, local, decoded
+
+    def release(self) -> None:
+        for h in self.handles:
+            h.release()
+        self.handles = []
 
 
 def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:

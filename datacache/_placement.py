@@ -23,7 +23,7 @@ from .tiers import NO_SPACE_ERRNOS, KeyLock, Tier, key_id, unlock_close
 if TYPE_CHECKING:
     from .cache import NodeCache
 
-__all__ = ["make_room", "Victim"]
+__all__ = ["make_room", "finish_all", "Victim"]
 
 log = logging.getLogger("datacache.cache")
 
@@ -65,15 +65,27 @@ class Victim:
             if handle.tier == "ssd":
                 cache.index.count(demotions=1)
             handle.release()
-        except OSError as exc:
+        except Exception as exc:  # an OSError, or e.g. an LMDB error: demotion is best effort
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-            if exc.errno in NO_SPACE_ERRNOS:
+            if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
                 cache.ssd.disable(f"no space left ({exc})")
             else:
                 log.warning("datacache: could not demote %s to SSD: %s", self.key, exc)
+
+
+def finish_all(cache: "NodeCache", victims: list[Victim]) -> None:
+    """Finish every victim even if one raises: a victim's key lock must not outlive the call."""
+    error: BaseException | None = None
+    for v in victims:
+        try:
+            v.finish(cache)
+        except BaseException as exc:
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 def _claim(cache: "NodeCache", tier: Tier, key: str, entry: Entry) -> Victim | None:

@@ -13,6 +13,7 @@ import fcntl
 import logging
 import os
 import uuid
+import weakref
 from typing import TYPE_CHECKING
 
 from .tiers import KeyLock, key_id, unlock_close
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["open_node", "join_node", "reconcile", "clear"]
 
 log = logging.getLogger("datacache.cache")
+_caches: "weakref.WeakSet[NodeCache]" = weakref.WeakSet()  # this process's open caches
 
 
 def open_node(cache: "NodeCache") -> tuple[int, str, dict[str, int] | None]:
@@ -42,6 +44,7 @@ def open_node(cache: "NodeCache") -> tuple[int, str, dict[str, int] | None]:
         with cache.index.write() as txn:
             token = txn.meta("token") or uuid.uuid4().hex
             txn.set_meta("token", token)
+    _caches.add(cache)
     return fd, token, report
 
 
@@ -54,6 +57,27 @@ def join_node(cache: "NodeCache") -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _rejoin_after_fork() -> None:
+    """In a forked child, give each open cache its own shared hold on the node lock. The inherited
+    descriptor shares its lock with the parent: unlocking it (``close()``) would drop the parent's
+    hold and let a new opener reconcile under the parent's feet. It is only closed: the parent's
+    copy keeps the parent's lock."""
+    for cache in list(_caches):
+        inherited = getattr(cache, "_node_fd", -1)
+        if getattr(cache, "_closed", True) or inherited < 0:
+            continue
+        cache._node_fd = -1
+        try:
+            cache._node_fd = join_node(cache)
+        except OSError as exc:
+            log.warning("datacache: cannot rejoin the cache at %s after fork: %s", cache.control_dir, exc)
+        finally:
+            os.close(inherited)
+
+
+os.register_at_fork(after_in_child=_rejoin_after_fork)
 
 
 def reconcile(cache: "NodeCache") -> dict[str, int]:

@@ -26,7 +26,6 @@ import os
 import shutil
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +36,7 @@ from .hashing import hash_file
 from .index import Entry, Index
 from .tiers import NO_SPACE_ERRNOS, KeyLock, Tier, ensure_private_dir, key_id, try_pin, unlock_close
 from . import _reconcile
-from ._placement import make_room
+from ._placement import finish_all, make_room
 
 __all__ = ["NodeCache", "CacheHandle"]
 
@@ -116,7 +115,6 @@ class NodeCache:
         self.index = Index(self.control_dir)
         self._node_fd, self.token, self.reconciled = _reconcile.open_node(self)
         self._closed = False
-        _live.add(self)
 
     def _pick_control_dir(self) -> str:
         for base in (self.config.ssd_dir, self.config.ram_dir):
@@ -134,16 +132,6 @@ class NodeCache:
             if tier.enabled:
                 return tier.data_dir
         return ensure_private_dir(os.path.join(self.control_dir, "pass"))
-
-    def _after_fork_in_child(self) -> None:
-        # The inherited node-lock descriptor shares its lock with the parent: unlocking it (close())
-        # would drop the parent's hold and let a new opener "reconcile" under it. Take our own.
-        if not self._closed and self._node_fd >= 0:
-            inherited, self._node_fd = self._node_fd, -1
-            try:
-                self._node_fd = _reconcile.join_node(self)
-            finally:
-                os.close(inherited)  # just closed: the parent's descriptor keeps the parent's lock
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         """Swap the eviction policy (e.g. when a dataset learns its future access order)."""
@@ -293,14 +281,18 @@ class NodeCache:
         os.replace(tmp, final)
         fd = try_pin(final)
         assert fd is not None, final
-        admitted, victims = make_room(self, tier, key, nbytes, fname, digest)
+        try:
+            admitted, victims = make_room(self, tier, key, nbytes, fname, digest)
+        except BaseException:  # e.g. an LMDB error: the file was never indexed
+            _unlink(final)
+            unlock_close(fd)
+            raise
         if not admitted:  # the policy bypasses it: serve it privately, deleted on release
             private = tier.file_path(f".pass-{fname}")
             os.replace(final, private)
             self.index.count(bypassed=1)
             return CacheHandle(key, private, nbytes, "pass", fd)
-        for victim in victims:
-            victim.finish(self)
+        finish_all(self, victims)
         return CacheHandle(key, final, nbytes, tier.name, fd)
 
     def _promote(self, key: str, entry: Entry, ssd_handle: CacheHandle, locked: bool) -> CacheHandle | None:
@@ -385,20 +377,6 @@ class NodeCache:
 
     def __repr__(self) -> str:
         return f"NodeCache({self.ram!r}, {self.ssd!r}, policy={self.policy.name})"
-
-
-_live: "weakref.WeakSet[NodeCache]" = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for cache in list(_live):
-        try:
-            cache._after_fork_in_child()
-        except OSError as exc:
-            log.warning("datacache: cannot rejoin the cache at %s after fork: %s", cache.control_dir, exc)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _unlink(path: str) -> None:

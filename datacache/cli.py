@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -376,24 +377,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                   cache_config=lambda: cache_config_from(args), storage_options=storage_options_from(args))
         return int(COMMANDS[args.command](ctx) or 0)
     except KeyboardInterrupt:
-        if args.debug:
-            raise
+        _traceback(args.debug)
         print("datacache: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except UsageError as exc:
-        if args.debug:
-            raise
-        parser.print_usage(sys.stderr)
+        _traceback(args.debug)
         return fail(EXIT_USAGE, _one_line(exc))
     except (DatacacheError, readers.ReaderError, OSError) as exc:
-        if args.debug:
-            raise
+        _traceback(args.debug)
         return fail(EXIT_DATA, _one_line(exc))
     except Exception as exc:  # unexpected: still one line unless --debug
-        if args.debug:
-            raise
-        return fail(EXIT_DATA, f"{type(exc).__name__}: {_one_line(exc)} (run with --debug for the traceback)")
+        _traceback(args.debug)
+        hint = "" if args.debug else " (run with --debug for the traceback)"
+        return fail(EXIT_DATA, f"{type(exc).__name__}: {_one_line(exc)}{hint}")
 
+
+def _traceback(debug: bool) -> None:
+    if debug:
+        traceback.print_exc(file=sys.stderr)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -63,16 +63,20 @@ class TransferConfig:
     """How whole objects are read: parallel byte-range GETs of ``part_bytes`` each.
 
     ``concurrency`` is the number of parts in flight per object; 8-16 MB parts are what S3 recommends.
+    ``max_requests`` caps the ranged GETs in flight per process and store, served first come first
+    served: enough to hide per-request latency, few enough that the shard needed next is not slowed
+    by shards needed later (raise it for links with a large bandwidth x latency product).
     """
 
     part_bytes: int = 8 << 20
     concurrency: int = 8
+    max_requests: int = 8
     timeout: float = 60.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "part_bytes", parse_size(self.part_bytes))
-        if self.part_bytes <= 0 or self.concurrency <= 0:
-            raise ValueError("TransferConfig: part_bytes and concurrency must be > 0")
+        if self.part_bytes <= 0 or self.concurrency <= 0 or self.max_requests <= 0:
+            raise ValueError("TransferConfig: part_bytes, concurrency and max_requests must be > 0")
 
 
 def _user() -> str:

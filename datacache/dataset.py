@@ -94,6 +94,7 @@ class StreamingDataset(tud.IterableDataset):
         self.dp_size, self.dp_rank = int(dp_size), int(dp_rank)
         self._epoch = _shared_int()
         self.epoch = 0
+        self._epoch_explicit = False  # set_epoch was called (a DataLoader worker inherits this)
         self._resume: dict[str, Any] | None = None
         self._consumer: Consumer | None = None
         self._worker = (0, 1)
@@ -113,6 +114,7 @@ class StreamingDataset(tud.IterableDataset):
         if self._resume is not None and self._resume["epoch"] != epoch:
             self._resume = None
         self.epoch = int(epoch)
+        self._epoch_explicit = True
 
     def _spec(self, num_workers: int, worker_id: int, epoch: int | None = None) -> PlanSpec:
         return PlanSpec(seed=self.seed, epoch=self.epoch if epoch is None else epoch, shuffle=self.shuffle,
@@ -198,7 +200,7 @@ class StreamingDataset(tud.IterableDataset):
         self._flush_stats(consumer)
 
     def _flush_stats(self, consumer: Consumer) -> None:
-        p = consumer.prefetcher
+        p = consumer.decoder
         self.cache.index.count(wait_seconds=p.wait_seconds, waits=p.waits,
                                samples=consumer.consumed, padded=consumer.plan.padded if consumer.skip == 0 else 0)
         p.wait_seconds, p.waits = 0.0, 0
@@ -236,6 +238,13 @@ class StreamingDataset(tud.IterableDataset):
             raise ValueError("state_dict is from another dataset or datacache version; cannot resume")
         if state.get("seed") != self.seed:
             raise ValueError(f"state_dict was saved with seed={state.get('seed')}, this dataset has seed={self.seed}")
+        if tud.get_worker_info() is not None and self._epoch_explicit and int(state["epoch"]) != self.epoch:
+            # StatefulDataLoader loads worker states only at worker start, after the training loop's
+            # set_epoch: an epoch selected there that differs from the state's wins, as set_epoch
+            # after load_state_dict does in the main process (e.g. saved at the end of epoch e,
+            # resumed with set_epoch(e + 1)).
+            self._resume = None
+            return
         self.epoch = int(state["epoch"])
         self._resume = {"epoch": self.epoch, "dp_size": int(state["dp_size"]), "num_workers": int(state["num_workers"]),
                         "consumed": [int(c) for c in state["consumed"]], "chain": list(state.get("chain", []))}
@@ -246,7 +255,7 @@ class StreamingDataset(tud.IterableDataset):
         out = self.cache.stats()
         c = self._consumer
         if c is not None:
-            out["consumer_wait_seconds"] = c.prefetcher.wait_seconds
+            out["consumer_wait_seconds"] = c.decoder.wait_seconds
             out["prefetch_depth"] = c.prefetcher.depth
             out["prefetch_threads"] = c.prefetcher.active_threads
             out["lookahead_bytes"] = c.prefetcher.lookahead

@@ -3,7 +3,9 @@
 ``open_store(url)`` returns a :class:`Store` rooted at a dataset prefix on any fsspec URL
 (``s3://bucket/prefix/``, ``file:///abs/dir``, a plain local path, ``memory://x/``, ``gs://``...).
 Whole objects are read as parallel byte-range GETs of ``TransferConfig.part_bytes`` with
-``TransferConfig.concurrency`` parts in flight, on the store's thread pool (threads named
+``TransferConfig.concurrency`` parts in flight per object and at most ``max_requests`` ranged GETs
+in flight per process (a FIFO semaphore: the parts asked for first are served first, so the shard
+needed next gets the link instead of sharing it with shards needed later), on the store's thread pool (threads named
 ``datacache-io-N``, 4 x concurrency of them, at most 64, shared by concurrent calls); ``read_into``
 writes each part at its offset with ``os.pwrite`` so a shard never has to be held in memory.
 
@@ -120,7 +122,7 @@ class Store:
         self.transfer = transfer or TransferConfig()
         self.retry = retry or RetryConfig()
         c = self.transfer.concurrency
-        self._pool_size = max(c, min(64, 4 * c))
+        self._pool_size = max(c, self.transfer.max_requests, min(64, 4 * c))
         self._options = _fs_options(self.protocol, storage_options, self.transfer, self._pool_size)
         self._secret_values = secret_values(storage_options)
         self._init_state()
@@ -128,6 +130,7 @@ class Store:
 
     def _init_state(self) -> None:
         self._lock = threading.Lock()
+        self._requests = threading.BoundedSemaphore(self.transfer.max_requests)
         self._pid = os.getpid()
         self._fs: Any = None
         self._root = ""
@@ -332,7 +335,8 @@ class Store:
         extra = 1 if total is not None and end == total else 0
 
         def get(fs: Any, path: str) -> bytes:
-            data = fs.cat_file(path, start=start, end=end + extra)
+            with self._requests:  # FIFO: the earliest-requested parts are served first
+                data = fs.cat_file(path, start=start, end=end + extra)
             if len(data) > want:
                 raise IntegrityError(f"object is larger than the expected {total} bytes", url=self.url_of(name),
                                      hint="The object was replaced; rebuild or refresh the manifest")

@@ -77,13 +77,11 @@ class Tier:
         try:
             ensure_private_dir(path)
             ensure_private_dir(self.data_dir)
-            probe = os.path.join(self.data_dir, f".tmp-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            # Outside data/: a first opener reconciling right now would take it for a leftover.
+            probe = os.path.join(path, f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             with open(probe, "wb"):
                 pass
-            try:
-                os.unlink(probe)
-            except FileNotFoundError:  # a first opener reconciling right now removes .tmp- files
-                pass
+            os.unlink(probe)
         except CacheError:
             raise
         except OSError as exc:

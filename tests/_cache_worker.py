@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import multiprocessing as mp
 import os
 import random
 import signal
@@ -20,8 +21,10 @@ from datacache.cache import NodeCache
 from datacache.config import CacheConfig
 from datacache.eviction import LRUPolicy
 from datacache.hashing import hash_bytes
+from datacache.index import Index
 
 KB = 1 << 10
+FORK = mp.get_context("fork")
 
 
 def key_size(key: str, lo: int = 64 * KB, hi: int = 256 * KB) -> int:
@@ -105,13 +108,14 @@ def stress_worker(cfg: dict, keys: list[str], n_threads: int, n_gets: int, seed:
                   start: Any, results: Any) -> None:
     """One process of the stress test: ``n_threads`` threads doing ``n_gets`` random checked gets."""
     errors: list[str] = []
-    tiers: dict[str, int] = {}
+    per_thread: list[dict[str, int]] = [{} for _ in range(n_threads)]
     try:
         cache = NodeCache(CacheConfig(**cfg), policy=LRUPolicy())
         start.wait()
 
         def run(tid: int) -> None:
             rng = random.Random(seed * 1000 + tid)
+            tiers = per_thread[tid]
             try:
                 for i in range(n_gets):
                     key = rng.choice(keys)
@@ -133,6 +137,10 @@ def stress_worker(cfg: dict, keys: list[str], n_threads: int, n_gets: int, seed:
         cache.close()
     except BaseException:
         errors.append(traceback.format_exc())
+    tiers: dict[str, int] = {}
+    for t in per_thread:
+        for k, n in t.items():
+            tiers[k] = tiers.get(k, 0) + n
     results.put((os.getpid(), errors, tiers))
 
 
@@ -171,3 +179,80 @@ def waiter(cfg: dict, key: str, size: int, log_dir: str, ready: Any, results: An
         results.put((None, out, stats))
     except BaseException:
         results.put((traceback.format_exc(), None, None))
+
+
+# ------------------------------------------------------------------ test-process helpers
+def join_all(procs, timeout=90):
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+    assert not hung, f"{len(hung)} child processes hung (deadlock?)"
+
+
+def in_child(fn, *args, timeout=60):
+    """Run ``fn(*args)`` in a forked child; return its result (exceptions come back as text)."""
+    q = FORK.Queue()
+
+    def main():
+        try:
+            q.put((None, fn(*args)))
+        except BaseException:
+            q.put((traceback.format_exc(), None))
+
+    p = FORK.Process(target=main, daemon=True)
+    p.start()
+    err, out = q.get(timeout=timeout)
+    join_all([p], timeout)
+    assert err is None, err
+    assert p.exitcode == 0
+    return out
+
+
+def data_files(d: str) -> dict[str, int]:
+    out = {}
+    try:
+        entries = list(os.scandir(d))
+    except FileNotFoundError:
+        return out
+    for e in entries:
+        try:
+            out[e.name] = e.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            pass
+    return out
+
+
+class BudgetMonitor(threading.Thread):
+    """Samples the bytes on disk in each tier and the index's committed ``used`` while children run."""
+
+    def __init__(self, dirs, budgets: dict[str, int], allowance: int) -> None:
+        super().__init__(daemon=True)
+        self.dirs, self.budgets, self.allowance = dirs, budgets, allowance
+        self.stop = threading.Event()
+        self.samples = 0
+        self.max_disk = {t: 0 for t in budgets}
+        self.max_used = {t: 0 for t in budgets}
+        self.violations: list[str] = []
+
+    def run(self) -> None:
+        index = Index(os.path.join(self.dirs["ssd"], "control"))
+        try:
+            while not self.stop.is_set():
+                for tier, budget in self.budgets.items():
+                    disk = sum(data_files(os.path.join(self.dirs[tier], "data")).values())
+                    self.max_disk[tier] = max(self.max_disk[tier], disk)
+                    if disk > budget + self.allowance:
+                        self.violations.append(f"{tier}: {disk} bytes on disk > {budget} + {self.allowance}")
+                with index.read() as txn:
+                    used = {t: txn.used(t) for t in self.budgets}
+                for tier, n in used.items():
+                    self.max_used[tier] = max(self.max_used[tier], n)
+                    if n > self.budgets[tier]:
+                        self.violations.append(f"{tier}: committed used {n} > budget {self.budgets[tier]}")
+                self.samples += 1
+                time.sleep(0.002)
+        finally:
+            index.close()

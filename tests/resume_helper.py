@@ -47,7 +47,7 @@ def check_resume(make_ds: Callable[..., Any], midpoints: Sequence[int | Sequence
     Returns the reference items.
     """
     if world is not None:
-        return _check_elastic(make_ds, midpoints, world, epoch)
+        return _check_elastic(make_ds, midpoints, world, epoch, make_loader)
     wrap = make_loader or (lambda ds: ds)
 
     def reference(e: int) -> list[Any]:
@@ -94,9 +94,11 @@ def check_resume(make_ds: Callable[..., Any], midpoints: Sequence[int | Sequence
     return ref
 
 
-def _check_elastic(make_ds: Callable[..., Any], reads: Sequence[int], world: Sequence[int], epoch: int) -> list[Any]:
+def _check_elastic(make_ds: Callable[..., Any], reads: Sequence[int], world: Sequence[int], epoch: int,
+                   make_loader: Callable[[Any], Any] | None) -> list[Any]:
     """Stage j runs ``world[j]`` ranks in this process, each reading ``reads[j]`` samples (the last
-    stage reads to the end); the next stage loads rank 0's state. Every sample must be read exactly
+    stage reads to the end, through ``make_loader(ds)`` if given); the next stage loads rank 0's
+    state. Every sample must be read exactly
     once over all stages, except padding repeats (fewer than the stage's rank count per stage), and
     no stage may re-read a sample an earlier stage read."""
     assert len(reads) >= len(world) - 1
@@ -114,7 +116,7 @@ def _check_elastic(make_ds: Callable[..., Any], reads: Sequence[int], world: Seq
             else:
                 ds.load_state_dict(state)
             total = int(ds.manifest.num_samples)
-            iters.append(iter(ds))
+            iters.append(iter(make_loader(ds) if last and make_loader else ds))
         for it in iters:
             stage += [norm(x) for x in it] if last else _take(it, reads[j])
         if not last:

@@ -62,52 +62,8 @@ def open_cache(dirs, ram, ssd, policy=None, **kw) -> NodeCache:
     return NodeCache(CacheConfig(**cfg(dirs, ram, ssd, **kw)), policy=policy)
 
 
-def join_all(procs, timeout=90):
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-    assert not hung, f"{len(hung)} child processes hung (deadlock?)"
-
-
-def in_child(fn, *args, timeout=60):
-    """Run ``fn(*args)`` in a forked child; return its result (exceptions come back as text)."""
-    q = CTX.Queue()
-
-    def main():
-        try:
-            q.put((None, fn(*args)))
-        except BaseException:
-            import traceback
-            q.put((traceback.format_exc(), None))
-
-    p = CTX.Process(target=main, daemon=True)
-    p.start()
-    err, out = q.get(timeout=timeout)
-    join_all([p], timeout)
-    assert err is None, err
-    assert p.exitcode == 0
-    return out
-
-
-def data_files(d: str) -> dict[str, int]:
-    out = {}
-    try:
-        entries = list(os.scandir(d))
-    except FileNotFoundError:
-        return out
-    for e in entries:
-        try:
-            out[e.name] = e.stat(follow_symlinks=False).st_size
-        except FileNotFoundError:
-            pass
-    return out
-
-
 def leftovers(*dirs_: str) -> list[str]:
-    return [n for d in dirs_ for n in data_files(d) if n.startswith((".tmp-", ".pass-"))]
+    return [n for d in dirs_ for n in W.data_files(d) if n.startswith((".tmp-", ".pass-"))]
 
 
 def ram_data(dirs):
@@ -123,40 +79,7 @@ def fetch_counts(dirs, tag=None) -> Counter:
 
 
 # --------------------------------------------------------------------------- 1. stress
-class BudgetMonitor(threading.Thread):
-    """Samples the bytes on disk in each tier and the index's committed ``used`` while children run."""
-
-    def __init__(self, dirs, budgets: dict[str, int], allowance: int) -> None:
-        super().__init__(daemon=True)
-        self.dirs, self.budgets, self.allowance = dirs, budgets, allowance
-        self.stop = threading.Event()
-        self.samples = 0
-        self.max_disk = {t: 0 for t in budgets}
-        self.max_used = {t: 0 for t in budgets}
-        self.violations: list[str] = []
-
-    def run(self) -> None:
-        index = Index(os.path.join(self.dirs["ssd"], "control"))
-        try:
-            while not self.stop.is_set():
-                for tier, budget in self.budgets.items():
-                    disk = sum(data_files(os.path.join(self.dirs[tier], "data")).values())
-                    self.max_disk[tier] = max(self.max_disk[tier], disk)
-                    if disk > budget + self.allowance:
-                        self.violations.append(f"{tier}: {disk} bytes on disk > {budget} + {self.allowance}")
-                with index.read() as txn:
-                    used = {t: txn.used(t) for t in self.budgets}
-                for tier, n in used.items():
-                    self.max_used[tier] = max(self.max_used[tier], n)
-                    if n > self.budgets[tier]:
-                        self.violations.append(f"{tier}: committed used {n} > budget {self.budgets[tier]}")
-                self.samples += 1
-                time.sleep(0.002)
-        finally:
-            index.close()
-
-
-def run_stress(dirs, ram, ssd, *, procs=4, threads=4, gets=40, nkeys=40):
+def run_stress(dirs, ram, ssd, *, procs=4, threads=4, gets=100, nkeys=40):
     keys = [f"shard-{i:03d}" for i in range(nkeys)]
     c = cfg(dirs, ram, ssd)
     start = CTX.Barrier(procs + 1)
@@ -169,10 +92,10 @@ def run_stress(dirs, ram, ssd, *, procs=4, threads=4, gets=40, nkeys=40):
     # In flight on a tier at any moment, per thread: its temp file, or the victims it has taken
     # out of the index but not yet unlinked (demotion copies them first), which overshoot what it
     # needed by less than one entry: under 2 entries per writer thread.
-    monitor = BudgetMonitor(dirs, {"ram": ram, "ssd": ssd}, allowance=procs * threads * 2 * 256 * KB)
+    monitor = W.BudgetMonitor(dirs, {"ram": ram, "ssd": ssd}, allowance=procs * threads * 2 * 256 * KB)
     monitor.start()
     out = [results.get(timeout=100) for _ in ps]
-    join_all(ps)
+    W.join_all(ps)
     monitor.stop.set()
     monitor.join()
     errors = [e for _, errs, _ in out for e in errs]
@@ -199,7 +122,7 @@ def test_stress_budgets_bytes_and_no_deadlock(dirs):
         assert s["fetches"] == s["misses"] == sum(fetched.values())
         assert s["evictions_ram"] > 0 and s["demotions"] > 0
         for tier, used in (("ram", s["used_ram"]), ("ssd", s["used_ssd"])):
-            assert sum(data_files(os.path.join(dirs[tier], "data")).values()) == used
+            assert sum(W.data_files(os.path.join(dirs[tier], "data")).values()) == used
         for key, _ in cache.entries():  # whatever stayed is intact
             h = W.get_checked(cache, key, dirs["log"])
             h.release()
@@ -217,7 +140,7 @@ def test_stress_each_key_fetched_once_while_resident(dirs):
     with open_cache(dirs, ram, ssd) as cache:
         s = cache.stats()
         assert s["misses"] == len(fetched) and s["evictions_ram"] == 0
-        assert s["hits_ram"] == 4 * 4 * 40 - len(fetched)
+        assert s["hits_ram"] == sum(tiers.values()) - len(fetched)
 
 
 @pytest.mark.timeout(120)
@@ -230,7 +153,7 @@ def test_same_missing_key_from_8_processes_is_fetched_once(dirs):
     for p in ps:
         p.start()
     out = [results.get(timeout=100) for _ in ps]
-    join_all(ps)
+    W.join_all(ps)
     assert [e for _, e, _ in out if e] == []
     assert [t for _, _, t in out] == ["ram"] * 8
     assert fetch_counts(dirs) == Counter({"hot": 1})
@@ -264,7 +187,7 @@ def test_fetcher_killed_mid_write_leaves_no_partial_entry(dirs):
     tmp = os.path.join(ram_data(dirs), f".tmp-{key_id('big')}")
     assert 0 < os.path.getsize(tmp) < BIG  # it really is mid-write
     p.kill()
-    join_all([p])
+    W.join_all([p])
     assert p.exitcode == -signal.SIGKILL
     with NodeCache(CacheConfig(**c)) as cache:  # alone: reconciles
         assert cache.reconciled["partial"] >= 1
@@ -293,7 +216,7 @@ def test_waiter_takes_over_when_fetcher_is_killed(dirs):
     assert p.is_alive() and fetch_counts(dirs) == Counter({"big": 1})  # still the first fetch, mid-write
     p.kill()
     err, (tier, path), stats = results.get(timeout=100)
-    join_all([p, w])
+    W.join_all([p, w])
     assert err is None, err
     assert tier == "ram" and stats["fetches"] >= 1
     assert fetch_counts(dirs, "killed") == Counter({"big": 1})
@@ -339,7 +262,7 @@ def test_crash_reconciliation_and_ssd_reverification(dirs):
     p.start()
     assert ready.wait(60)
     p.kill()
-    join_all([p])
+    W.join_all([p])
     index = Index(os.path.join(dirs["ssd"], "control"))
     with index.read() as txn:
         files = {k: {t: r["file"] for t, r in e.tiers.items()} for k, e in txn.items()}
@@ -357,7 +280,7 @@ def test_crash_reconciliation_and_ssd_reverification(dirs):
         f.seek(LARGE // 2)
         f.write(bytes([b[0] ^ 0xFF]))
 
-    report, contains, tiers, stats = in_child(_reopen_and_check, c, dirs["log"])
+    report, contains, tiers, stats = W.in_child(_reopen_and_check, c, dirs["log"])
 
     assert report == {"partial": 4, "orphans": 2, "missing": 1}
     assert contains == {"s0": "ram", "s1": None, "s2": "ram", "s3": "ram", "b0": "ssd", "b1": "ssd"}
@@ -367,7 +290,7 @@ def test_crash_reconciliation_and_ssd_reverification(dirs):
     assert leftovers(ram_data(dirs), ssd_data(dirs)) == []
     assert not os.path.exists(corrupt)
     for d in (ram_data(dirs), ssd_data(dirs)):
-        assert "0123456789abcdef.feedface0000" not in data_files(d)
+        assert "0123456789abcdef.feedface0000" not in W.data_files(d)
 
 
 # --------------------------------------------------------------------------- 4. MIN is exact
@@ -425,7 +348,7 @@ def test_pinned_entry_is_never_evicted_even_by_another_process(dirs):
     cache = open_cache(dirs, 3 * size, 0, LRUPolicy())
     held = W.get_checked(cache, "a", dirs["log"], size=size)
     # another process (forked: it uses the inherited cache) churns through the tier
-    in_child(_fill, cache, [f"x{i}" for i in range(8)], dirs["log"], size)
+    W.in_child(_fill, cache, [f"x{i}" for i in range(8)], dirs["log"], size)
     s = cache.stats()
     assert s["evictions_ram"] >= 6 and s["used_ram"] <= 3 * size
     assert cache.contains("a") == "ram"
@@ -444,7 +367,7 @@ def test_everything_pinned_serves_pass_through_within_budget(dirs):
         assert extra.tier == "pass" and os.path.exists(extra.path)
         s = cache.stats()
         assert s["used_ram"] == 3 * size and s["bypassed"] == 1
-        assert sum(data_files(ram_data(dirs)).values()) == 4 * size  # budget + the one pass file
+        assert sum(W.data_files(ram_data(dirs)).values()) == 4 * size  # budget + the one pass file
         extra.release()
         assert not os.path.exists(extra.path) and cache.contains("d") is None
         assert [h.tier for h in held] == ["ram"] * 3
@@ -467,6 +390,28 @@ def test_lru_demotes_ram_victims_and_promotes_ssd_hits(dirs):
         assert (s["hits_ssd"], s["promotions"], s["misses"]) == (1, 1, 5)
         assert cache.contains("k0") == "ram"
     assert fetch_counts(dirs) == Counter({f"k{i}": 1 for i in range(5)})
+
+
+class _NoPromotion(LRUPolicy):
+    def should_promote(self, key):
+        return False
+
+
+def test_promotion_after_a_stale_lookup_leaves_a_pinned_ram_copy_alone(dirs):
+    size = 10 * KB
+    with open_cache(dirs, 2 * size, 10 * size, _NoPromotion()) as cache:
+        _fill(cache, ["k0", "k1", "k2"], dirs["log"], size)  # k0 demoted to SSD
+        stale = dict(cache.entries())["k0"]  # what a lookup read just before someone promoted k0
+        on_ssd = W.get_checked(cache, "k0", dirs["log"], size=size)
+        assert on_ssd.tier == "ssd"
+        cache.set_policy(LRUPolicy())
+        in_ram = W.get_checked(cache, "k0", dirs["log"], size=size)  # the other promotion, pinned
+        assert in_ram.tier == "ram"
+        assert cache._promote("k0", stale, on_ssd, locked=False) is None  # our late attempt backs off
+        assert os.path.exists(in_ram.path) and in_ram.read() == W.key_bytes("k0", size)
+        assert dict(cache.entries())["k0"].tiers["ram"]["file"] == os.path.basename(in_ram.path)
+        for h in (on_ssd, in_ram):
+            h.release()
 
 
 @pytest.mark.parametrize("seq, demoted, gone", [
@@ -574,9 +519,9 @@ def test_stats_are_summed_across_processes(dirs):
     ps = [CTX.Process(target=_stats_worker, args=(c, p, dirs["log"])) for p in ("p", "q")]
     for p in ps:
         p.start()
-    join_all(ps)
+    W.join_all(ps)
     assert [p.exitcode for p in ps] == [0, 0]
-    s = in_child(_stats_of, c)
+    s = W.in_child(_stats_of, c)
     assert (s["misses"], s["fetches"], s["hits_ram"], s["bypassed"]) == (8, 8, 6, 2)
     assert s["bytes_ram"] == 6 * 10 * KB and s["remote_bytes"] == 2 * (3 * 10 * KB + 2 * MB)
 
@@ -595,7 +540,7 @@ def _forked_use(cache, held, log_dir):
 def test_cache_is_usable_in_a_forked_child_and_in_the_parent_after(dirs):
     cache = open_cache(dirs, 1 * MB, 1 * MB)
     held = W.get_checked(cache, "a", dirs["log"], size=10 * KB)
-    assert in_child(_forked_use, cache, held, dirs["log"]) == ("ram", 2)
+    assert W.in_child(_forked_use, cache, held, dirs["log"]) == ("ram", 2)
     # the child's release and close touched only its own locks: the parent's pin and node lock hold
     for path in (held.path, os.path.join(cache.control_dir, "node.lock")):
         fd = os.open(path, os.O_RDONLY)
@@ -615,30 +560,55 @@ def test_cache_is_usable_in_a_forked_child_and_in_the_parent_after(dirs):
     cache.close()
 
 
-def _hold_reader(cache, ready, done):
-    with cache.index.read() as txn:
-        txn.get("a")
-        ready.set()
-        done.wait(60)
+
+@pytest.mark.timeout(120)
+def test_fork_spares_lmdb_transactions_in_flight_in_other_threads(dirs):
+    cache = open_cache(dirs, 1 * MB, 1 * MB)
+    _fill(cache, ["a"], dirs["log"], 10 * KB)
+    in_txn, seen = threading.Event(), []
+
+    def reader():
+        with cache.index.read() as txn:
+            in_txn.set()
+            time.sleep(0.5)  # a fork in the main thread must neither break this snapshot nor its reader slot
+            assert txn.get("a") is not None
+            readers = [line.split() for line in cache.index.env.readers().splitlines()[1:]]
+            seen.append(any(r[0] == str(os.getpid()) and r[-1] != "-" for r in readers))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert in_txn.wait(60)
+    W.in_child(_fill, cache, ["b"], dirs["log"], 10 * KB)  # the child re-opens and uses the index
+    t.join()
+    assert seen == [True]
+    with W.get_checked(cache, "b", dirs["log"], size=10 * KB) as h:
+        assert h.tier == "ram"
+    cache.close()
+
+
+def _open_at_once(c, barrier, results):
+    try:
+        barrier.wait()
+        with NodeCache(CacheConfig(**c)) as cache:
+            results.put((cache.ram.enabled, cache.ssd.enabled, cache.reconciled))
+    except BaseException as exc:
+        results.put((repr(exc), None, None))
 
 
 @pytest.mark.timeout(120)
-def test_fork_leaves_the_parents_lmdb_reader_slots_alone(dirs):
-    cache = open_cache(dirs, 1 * MB, 1 * MB)
-    _fill(cache, ["a", "b"], dirs["log"], 10 * KB)
-    assert cache.contains("a") == "ram"  # a read transaction last: py-lmdb keeps its reader slot as a spare
-    in_child(_fill, cache, ["c"], dirs["log"], 10 * KB)  # a forked child re-opens and uses the index
-    ready, done = CTX.Event(), CTX.Event()
-    p = CTX.Process(target=_hold_reader, args=(cache, ready, done), daemon=True)
-    p.start()
-    try:
-        assert ready.wait(60)
-        for _ in range(3):  # the parent reads again: it must not reuse the reader slot of the child
-            with cache.index.read() as txn:
-                assert txn.get("a") is not None
-        readers = [line.split() for line in cache.index.env.readers().splitlines()[1:]]
-        assert [r for r in readers if r[0] == str(p.pid) and r[-1] != "-"], readers
-    finally:
-        done.set()
-        join_all([p])
-    cache.close()
+def test_processes_joining_while_the_first_reconciles_keep_their_tiers(dirs):
+    # junk for the first opener to clean up, so the others create their tier probes meanwhile
+    for tier in ("ram", "ssd"):
+        os.makedirs(os.path.join(dirs[tier], "data"), mode=0o700)
+        for i in range(1000):
+            Path(dirs[tier], "data", f".tmp-junk{i}").write_bytes(b"")
+    c = cfg(dirs, 1 * MB, 1 * MB)
+    barrier, results = CTX.Barrier(8), CTX.Queue()
+    ps = [CTX.Process(target=_open_at_once, args=(c, barrier, results), daemon=True) for _ in range(8)]
+    for p in ps:
+        p.start()
+    out = [results.get(timeout=100) for _ in ps]
+    W.join_all(ps)
+    assert [(r, s) for r, s, _ in out] == [(True, True)] * 8
+    assert sum(rep is not None for _, _, rep in out) >= 1  # somebody reconciled
+    assert leftovers(ram_data(dirs), ssd_data(dirs)) == []

@@ -157,10 +157,16 @@ def test_fetch_error_reaches_consumer(location: tuple[str, Any], cache: NodeCach
     assert "_load" in text
     ds.close()
     # through DataLoader workers: re-raised in the main process, the worker's traceback in the text
+    it = iter(DataLoader(StreamingDataset(url, storage_options=opts, cache=cache), num_workers=2))
     with pytest.raises(DatacacheError) as info:
-        for _ in DataLoader(StreamingDataset(url, storage_options=opts, cache=cache), num_workers=2):
+        for _ in it:
             pass
     assert victim_url in str(info.value) and "prefetch.py" in str(info.value)
+    # Free the iterator by reference counting: torch's re-raise leaves a reference cycle, and a
+    # DataLoader iterator freed by the cyclic GC waits 5 s per worker (its index queues' feeder
+    # threads are finalized before it can send the workers their stop message).
+    traceback.clear_frames(info.value.__traceback__)
+    del info, it
 
 
 def _prefetch_threads() -> list[threading.Thread]:

@@ -72,6 +72,16 @@ def test_resume_elastic(dataset_url: str, cache: NodeCache, world: tuple[int, ..
     assert len(seen) >= N
 
 
+@pytest.mark.timeout(120)
+def test_resume_elastic_into_dataloader_workers(dataset_url: str, cache: NodeCache) -> None:
+    """A single-process state resumed by 2 ranks that each read through 2 DataLoader workers."""
+    from torch.utils.data import DataLoader
+
+    seen = check_resume(factory(dataset_url, cache), [45], world=(3, 2), epoch=0,
+                        make_loader=lambda ds: DataLoader(ds, batch_size=None, num_workers=2))
+    assert len(seen) >= N
+
+
 def test_resume_elastic_then_same_world(dataset_url: str, cache: NodeCache) -> None:
     """An elastic resume followed by a plain (same world) resume: the chain is kept."""
     make = factory(dataset_url, cache)
@@ -87,9 +97,10 @@ def test_resume_elastic_then_same_world(dataset_url: str, cache: NodeCache) -> N
     middle = [int(next(it)["i"]) for _ in range(120)]
     state2 = mid.state_dict()
     assert state2["chain"], "an elastic resume must be recorded in the state"
-    rest = [int(s["i"]) for s in (lambda d: (d.load_state_dict(state2), d)[1])(make(dp_rank=0, dp_size=1))]
-    reference_rest = list(it)
-    assert rest == [int(s["i"]) for s in reference_rest]
+    resumed = make(dp_rank=0, dp_size=1)
+    resumed.load_state_dict(state2)
+    rest = [int(s["i"]) for s in resumed]
+    assert rest == [int(s["i"]) for s in it], "resuming an elastic resume must continue its exact order"
     assert sorted(before + middle + rest) == list(range(N))
 
 
@@ -114,3 +125,6 @@ def test_resume_stateful_dataloader(dataset_url: str, cache: NodeCache) -> None:
     # second time after one batch, i.e. before the other worker delivered a batch since the resume
     ref = check_resume(factory(dataset_url, cache), [0, 7, 50, (3, 1, 20)], make_loader=loader)
     assert len(ref) == 50 and sorted(i for b in ref for i in b) == list(range(N))
+    # saved at the end of epoch 0 (or mid-epoch), resumed with set_epoch(1): the workers' epoch-0
+    # states must not replace the epoch the training loop selected
+    check_resume(factory(dataset_url, cache), [50, 20], then_epoch=1, make_loader=loader)

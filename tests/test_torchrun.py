@@ -85,7 +85,7 @@ def test_torchrun_two_ranks_share_node_cache(s3_server: Any, slowlink: Any, tmp_
     assert orders[0] != orders[1]
 
     # epoch 1: each shard crossed the link once for the whole node (2 ranks x 2 workers)
-    gets = epoch1["gets"]; print("DBG", epoch1, shard_bytes, [s.bytes for s in m.shards], manifest_bytes)
+    gets = epoch1["gets"]
     assert epoch1["bytes_down"] >= shard_bytes
     assert epoch1["bytes_down"] <= 1.01 * shard_bytes + 64 * 1024 * gets, (epoch1, shard_bytes)
     assert gets <= len(m.shards) + 4, f"{gets} GETs for {len(m.shards)} shards + 2 manifests"
