@@ -1,10 +1,11 @@
 """One consumer's epoch: plan -> prefetched, pinned shards -> samples. Used by the datasets.
 
 A ``Consumer`` belongs to one process (the main process, or one DataLoader worker) and one epoch.
-It installs the node's clairvoyant schedule in the cache, starts a ``Prefetcher`` over its shard
-sequence, and yields samples window by window: the shards of a window are pinned, read
-sequentially (each block decompressed once), then yielded in the plan's shuffled order. Not
-thread-safe: one consumer per iterating thread.
+It installs the node's clairvoyant schedule in the cache and runs a two-stage pipeline over its
+runs: stage 1 (``Prefetcher``, adaptive thread pool) gets each run's shard into the cache far
+ahead; stage 2 (one decode thread) pins the next runs' shards and reads their ranges sequentially
+(each block decompressed once). The consumer then walks the plan's steps, yielding samples in the
+shuffled order while at most ``window`` runs are open. Not thread-safe: one consumer per thread.
 """
 from __future__ import annotations
 
@@ -59,27 +60,19 @@ class Consumer:
         self.schedule = schedule
         if schedule is not None:
             cache.set_policy(ClairvoyantPolicy(schedule))
-        self.windows = [self._trim(w, skip) for w in plan.windows if w[1] > skip]
-        items = [s for _, _, shards in self.windows for s in shards]
+        n_runs = len(plan.runs)
+        # Runs that still have samples to read (all of them unless resuming mid-epoch).
+        self.needed = sorted(set(plan.run_of[skip:].tolist())) if skip and plan.run_of is not None \
+            else list(range(n_runs))
         # Stage 1: shards into the cache, far ahead (network-bound, adaptive, byte-bounded).
         self.prefetcher: Prefetcher[int, CacheHandle] = Prefetcher(
-            items, self._load, size_of=lambda s: manifest.shards[s].bytes, release=CacheHandle.release,
-            config=prefetch, name=name)
-        # Stage 2: the next window decoded while the current one is consumed (one window ahead).
-        self.decoder: Prefetcher[int, _Window] = Prefetcher(
-            range(len(self.windows)), self._decode, release=_Window.release, config=_DECODE_AHEAD,
-            name=f"{name}-decode")
+            [plan.runs[r][0] for r in self.needed], self._load, size_of=lambda s: manifest.shards[s].bytes,
+            release=CacheHandle.release, config=prefetch, name=name)
+        # Stage 2: the next runs decoded while the current step is consumed.
+        self.decoder: Prefetcher[int, _Run] = Prefetcher(
+            self.needed, self._decode, release=_Run.release, config=_DECODE_AHEAD, name=f"{name}-decode")
         self.consumed = skip
         self.skipped_shards = 0
-
-    def _trim(self, window: tuple[int, int, list[int]], skip: int) -> tuple[int, int, list[int]]:
-        """A window resumed at ``skip``: only the shards that still have samples to read."""
-        a, b, shards = window
-        if a >= skip or self.plan.samples is None:
-            return window
-        ids = self.plan.samples[skip:b]
-        need = set((np.searchsorted(self.manifest.offsets, ids, side="right") - 1).tolist())
-        return skip, b, [s for s in shards if s in need]
 
     def _load(self, shard: int) -> CacheHandle:
         info = self.manifest.shards[shard]
@@ -87,47 +80,50 @@ class Consumer:
                               lambda path: self.store.read_into(info.name, path, size=info.bytes),
                               size=info.bytes, hash=info.hash)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def _decode(self, run: int) -> "_Run":
+        """Runs on the decode thread: pin the run's shard (waiting on stage 1) and read its range."""
+        handle = self.prefetcher.take()
         try:
-            for a, _, _ in self.windows:
-                if self.schedule is not None:
-                    self.schedule.advance(self.epoch + a / max(len(self.plan), 1))
-                window = self.decoder.take()
-                try:
-                    for s, i in zip(window.shard_of, window.local):
-                        samples = window.decoded[s]
-                        self.consumed += 1
-                        if samples is not None:
-                            yield samples[i]
-                finally:
-                    window.release()
+            shard, lo, hi = self.plan.runs[run]
+            return _Run(handle, lo, self._read(shard, handle, lo, hi))
+        except BaseException:
+            handle.release()
+            raise
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        plan, n = self.plan, max(len(self.plan), 1)
+        assert plan.samples is not None and plan.run_of is not None
+        shards = np.array([r[0] for r in plan.runs] or [0], dtype=np.int64)
+        los = np.array([r[1] for r in plan.runs] or [0], dtype=np.int64)
+        run_of = plan.run_of.tolist()
+        index = (plan.samples - np.asarray(self.manifest.offsets)[shards[plan.run_of]] - los[plan.run_of]).tolist()
+        needed = set(self.needed)
+        open_runs: dict[int, _Run] = {}
+        steps = plan.steps.tolist()
+        try:
+            for i in range(len(steps) - 1):
+                if i in needed:
+                    if self.schedule is not None:
+                        self.schedule.advance(self.epoch + steps[i] / n)
+                    open_runs[i] = self.decoder.take()
+                for p in range(max(steps[i], self.skip), steps[i + 1]):
+                    samples = open_runs[run_of[p]].samples
+                    self.consumed = p + 1
+                    if samples is not None:
+                        yield samples[index[p]]
+                done = open_runs.pop(i - plan.window + 1, None)
+                if done is not None:
+                    done.release()
         finally:
+            for r in open_runs.values():
+                r.release()
             self.close()
 
-    def _decode(self, wi: int) -> "_Window":
-        """Runs on the decode thread: pin the window's shards (waiting on stage 1) and read them."""
-        assert self.plan.samples is not None
-        a, b, shards = self.windows[wi]
-        handles: list[CacheHandle] = []
-        try:
-            for _ in shards:
-                handles.append(self.prefetcher.take())
-            ids = self.plan.samples[max(a, self.skip):b]
-            shard_of = np.searchsorted(self.manifest.offsets, ids, side="right") - 1
-            local = ids - np.asarray(self.manifest.offsets)[shard_of]
-            decoded = {s: self._read(s, h, local[shard_of == s]) for s, h in zip(shards, handles)}
-        except BaseException:
-            for h in handles:
-                h.release()
-            raise
-        return _Window(handles, shard_of.tolist(), local.tolist(), decoded)
-
-    def _read(self, shard: int, handle: CacheHandle, wanted: np.ndarray) -> dict[int, Any] | None:
-        lo, hi = int(wanted.min()), int(wanted.max()) + 1
+    def _read(self, shard: int, handle: CacheHandle, lo: int, hi: int) -> list[Any] | None:
         url = self.store.url_of(self.manifest.shards[shard].name)
         try:
             with self.fmt.open(handle.path, **self.reader_options) as reader:
-                return dict(zip(range(lo, hi), reader.iter_range(lo, hi)))
+                return list(reader.iter_range(lo, hi))
         except (readers.ReaderError, ValueError, OSError) as exc:
             err = ReaderError(f"cannot read shard as {self.manifest.format!r}: {exc}", url=url,
                               hint="Check the manifest's format, or rebuild the shard")
@@ -148,20 +144,18 @@ class Consumer:
         self.prefetcher.close()
 
 
-_DECODE_AHEAD = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=1, max_lookahead_bytes=1, adaptive=False)
+_DECODE_AHEAD = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=2, max_lookahead_bytes=2, adaptive=False)
 
 
-class _Window:
-    """A decoded window: pinned handles, read order (shard, local index) and decoded samples."""
+class _Run:
+    """A decoded run: its pinned shard handle, first local index, and samples (None if skipped)."""
 
-    def __init__(self, handles: list[CacheHandle], shard_of: list[int], local: list[int],
-                 decoded: dict[int, dict[int, Any] | None]) -> None:
-        self.handles, self.shard_of, self.local, self.decoded = handles, shard_of, local, decoded
+    def __init__(self, handle: CacheHandle, lo: int, samples: list[Any] | None) -> None:
+        self.handle, self.lo, self.samples = handle, lo, samples
 
     def release(self) -> None:
-        for h in self.handles:
-            h.release()
-        self.handles = []
+        self.handle.release()
+        self.samples = None
 
 
 def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -181,4 +175,3 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[k] = vals
     return out
-

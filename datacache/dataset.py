@@ -127,18 +127,27 @@ class StreamingDataset(tud.IterableDataset):
         return [self.dp_rank]
 
     def _resume_order(self, spec: PlanSpec) -> tuple[np.ndarray | None, int]:
-        """(order override, samples to skip) for this consumer from a loaded state."""
+        """(order override, samples to skip) for this consumer from a loaded state.
+
+        The state's ``chain`` lists earlier elastic resumes of this epoch; each turns the epoch's
+        order into the remainder it left. With the saved data-parallel size and worker count the plan
+        is rebuilt on that order and the consumer skips what it read (exact order); otherwise the
+        saved position becomes one more remainder, planned afresh for the new world.
+        """
         st = self._resume
         if st is None:
             return None, 0
-        if st["dp_size"] == spec.dp_size and st["num_workers"] == spec.num_workers and not st["chain"]:
-            return None, int(st["consumed"][spec.worker_id])
         order = None
-        for link in st["chain"] + [{k: st[k] for k in ("dp_size", "num_workers", "consumed")}]:
-            link_spec = PlanSpec(**{**spec.__dict__, "dp_size": link["dp_size"], "num_workers": link["num_workers"],
-                                    "dp_rank": 0, "worker_id": 0})
-            order = remainder_order(self.counts, link_spec, link["consumed"], order=order)
-        return order, 0
+        for link in st["chain"]:
+            order = remainder_order(self.counts, self._link_spec(spec, link), link["consumed"], order=order)
+        if st["dp_size"] == spec.dp_size and st["num_workers"] == spec.num_workers:
+            return order, int(st["consumed"][spec.worker_id])
+        return remainder_order(self.counts, self._link_spec(spec, st), st["consumed"], order=order), 0
+
+    @staticmethod
+    def _link_spec(spec: PlanSpec, link: Mapping[str, Any]) -> PlanSpec:
+        return PlanSpec(**{**spec.__dict__, "dp_size": link["dp_size"], "num_workers": link["num_workers"],
+                           "dp_rank": 0, "worker_id": 0})
 
     def __len__(self) -> int:
         """Samples this rank reads per epoch (batches in batched mode with one consumer)."""
@@ -154,7 +163,7 @@ class StreamingDataset(tud.IterableDataset):
             self._resume = None  # set_epoch moved on (seen here only through the shared epoch)
         spec = self._spec(num_workers, worker_id)
         order, skip = self._resume_order(spec)
-        plan = build_plan(self.counts, spec, order=order, reshuffle=order is None)
+        plan = build_plan(self.counts, spec, order=order)
         schedule = None
         if self._use_schedule:
             ranks = self._node_dp_ranks() if order is None else [self.dp_rank]
@@ -224,7 +233,7 @@ class StreamingDataset(tud.IterableDataset):
         chain: list[dict[str, Any]] = []
         if base is not None and base["epoch"] == self.epoch:
             chain = list(base["chain"])
-            if base["dp_size"] != self.dp_size or base["num_workers"] != num_workers or base["chain"]:
+            if base["dp_size"] != self.dp_size or base["num_workers"] != num_workers:
                 chain.append({k: base[k] for k in ("dp_size", "num_workers", "consumed")})
         if self._consumer is not None and self._consumer.epoch == self.epoch:
             consumed[worker_id] = self._consumer.consumed

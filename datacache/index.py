@@ -5,8 +5,9 @@ the verification token under which that file was last verified); per tier, the b
 node-wide counters. LMDB write transactions are serialized across processes by LMDB itself and
 are kept short: no network or bulk file I/O ever happens inside one.
 
-The environment is opened lazily per process and re-opened after ``fork`` (an LMDB environment
-must not be used across a fork). ``Index`` is thread-safe.
+The environment is opened lazily, once per process and path, and re-opened after ``fork`` (an
+LMDB environment must not be used across a fork: ``fork`` waits for the transactions in flight and
+the parent closes its environments first, see below). ``Index`` is thread-safe.
 """
 from __future__ import annotations
 

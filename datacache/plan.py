@@ -12,13 +12,19 @@ next use of every shard for clairvoyant eviction. Steps:
    ``drop_last=True`` drops the remainder. Every rank therefore reads the same number of samples,
    and, since the worker split below is the same everywhere, yields the same number of batches.
 3. Workers: a rank's part is cut into ``num_workers`` contiguous parts (sizes differ by at most 1).
-4. Window shuffle: a worker's samples are shuffled within windows of ``window`` consecutive shard
-   runs. A larger window is more random but keeps more shards open and pinned at once; the default
-   of 4 shards keeps a consumer's working set small while mixing samples of 4 shards per batch.
+4. Sliding-window shuffle: a worker's samples form *runs* (consecutive samples of one shard). Each
+   sample of run ``r`` gets the key ``r + U[0, 1) * window`` and samples are read in key order, so
+   a sample may move anywhere across ``window`` consecutive runs. Reading is a pipeline of *steps*:
+   step ``i`` reads the keys in ``[i, i + 1)``, which come only from runs ``i - window + 1 .. i``,
+   so run ``i`` must be local when step ``i`` begins and can be released after step
+   ``i + window - 1``. The consumer starts after its first shard (not after a whole window) and
+   holds at most ``window`` shards; a larger window mixes more but keeps more shards open.
+   The default of 4 mixes each batch across about 4 shards.
 
 Exactly once: across all ranks and workers of an epoch every sample appears once, plus ``padded``
-repeats when ``drop_last=False``. Resuming a partly consumed epoch (possibly with another world
-size) uses ``remainder_order`` to get the not-yet-read samples and splits them the same way.
+repeats when ``drop_last=False``. Resuming a partly consumed epoch with another world size uses
+``remainder_order`` to get the not-yet-read samples (grouped by shard, in the epoch's shard order)
+and plans them the same way.
 """
 from __future__ import annotations
 
@@ -93,16 +99,20 @@ def _worker_piece(rank_seq: np.ndarray, num_workers: int, worker_id: int) -> np.
 
 @dataclass(frozen=True)
 class ConsumerPlan:
-    """One consumer's reads for one epoch.
+    """One consumer's reads for one epoch (see the module docstring).
 
-    ``samples``: global sample ids in read order (``None`` for a shards-only plan). ``windows``:
-    per window, the (start, end) positions it covers and the shards it needs, in run order.
-    ``padded``: repeats in this epoch across all ranks.
+    ``runs``: (shard, lo, hi) per run, in the order they are needed: the run reads local indices
+    within ``[lo, hi)`` of ``shard``. ``steps``: positions where each step starts, plus the end.
+    ``samples``/``run_of``: global sample id and run of each read position (``None`` for a
+    shards-only plan). ``padded``: repeats added to this epoch across all ranks.
     """
 
+    runs: list[tuple[int, int, int]]
+    steps: np.ndarray
     samples: np.ndarray | None
+    run_of: np.ndarray | None
     length: int
-    windows: list[tuple[int, int, list[int]]]
+    window: int
     padded: int
 
     def __len__(self) -> int:
@@ -111,40 +121,35 @@ class ConsumerPlan:
     @cached_property
     def shard_sequence(self) -> list[int]:
         """Shards in the order this consumer needs them (a shard may appear more than once)."""
-        return [s for _, _, shards in self.windows for s in shards]
+        return [r[0] for r in self.runs]
 
     def shard_times(self, epoch: int) -> list[tuple[int, float]]:
-        """(shard, time) of each shard need on the node clock: ``epoch + window start / length``."""
+        """(shard, time) of each run's start on the node clock: ``epoch + position / length``."""
         n = max(self.length, 1)
-        return [(s, epoch + a / n) for a, _, shards in self.windows for s in shards]
+        return [(r[0], epoch + float(self.steps[i]) / n) for i, r in enumerate(self.runs)]
 
 
-def _windows(piece: np.ndarray, offsets: np.ndarray, window: int) -> list[tuple[int, int, list[int]]]:
-    """Group a consumer's samples into windows touching at most ``window`` distinct shards each."""
-    if len(piece) == 0:
-        return []
+def _runs(piece: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    """Run index of each position of ``piece``, run start positions, and (shard, lo, hi) per run."""
     shard_of = np.searchsorted(offsets, piece, side="right") - 1
-    starts = np.flatnonzero(np.concatenate([[True], shard_of[1:] != shard_of[:-1]])).tolist()
-    run_shards = shard_of[starts].tolist()
-    starts.append(len(piece))
-    out: list[tuple[int, int, list[int]]] = []
-    begin, shards = 0, {}  # dict as an ordered set
-    for i, s in enumerate(run_shards):
-        if s not in shards and len(shards) == window:
-            out.append((begin, starts[i], list(shards)))
-            begin, shards = starts[i], {}
-        shards[s] = None
-    out.append((begin, len(piece), list(shards)))
-    return out
+    if len(piece) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), []
+    starts = np.flatnonzero(np.concatenate([[True], shard_of[1:] != shard_of[:-1]]))
+    run_of = np.cumsum(np.isin(np.arange(len(piece)), starts)) - 1
+    local = piece - offsets[shard_of]
+    lo = np.minimum.reduceat(local, starts)
+    hi = np.maximum.reduceat(local, starts) + 1
+    runs = list(zip(shard_of[starts].tolist(), lo.tolist(), hi.tolist()))
+    return run_of, starts, runs
 
 
 def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = None, *,
-               shards_only: bool = False, reshuffle: bool = True) -> ConsumerPlan:
+               shards_only: bool = False) -> ConsumerPlan:
     """The plan of consumer (``spec.dp_rank``, ``spec.worker_id``) for ``spec.epoch``.
 
     ``order`` replaces the epoch's global order (used to resume from a remainder);
-    ``shards_only`` skips the per-sample shuffle (enough for prefetch and eviction schedules);
-    ``reshuffle=False`` keeps ``order`` as it is within windows (a remainder is already shuffled).
+    ``shards_only`` skips the per-sample shuffle (enough for prefetch and eviction schedules: run
+    start times are then approximated by the runs' unshuffled positions).
     """
     counts = np.asarray(counts, dtype=np.int64)
     offsets = _offsets(counts)
@@ -152,15 +157,17 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
         order = global_order(counts, spec)
     pieces, padded = split_even(order, spec.dp_size, spec.drop_last)
     piece = _worker_piece(pieces[spec.dp_rank], spec.num_workers, spec.worker_id)
-    windows = _windows(piece, offsets, spec.window)
-    samples = None
-    if not shards_only:
-        samples = piece.copy()
-        if spec.shuffle and reshuffle:
-            rng = np.random.default_rng([spec.seed, spec.epoch, 1, spec.dp_rank, spec.worker_id])
-            for a, b, _ in windows:
-                samples[a:b] = rng.permutation(samples[a:b])
-    return ConsumerPlan(samples, len(piece), windows, padded)
+    run_of, starts, runs = _runs(piece, offsets)
+    window = spec.window if spec.shuffle else 1
+    if shards_only:
+        return ConsumerPlan(runs, np.append(starts, len(piece)), None, None, len(piece), window, padded)
+    keys = run_of.astype(np.float64)
+    if spec.shuffle:
+        rng = np.random.default_rng([spec.seed, spec.epoch, 1, spec.dp_rank, spec.worker_id])
+        keys += rng.random(len(piece)) * window
+    perm = np.argsort(keys, kind="stable")
+    steps = np.searchsorted(keys[perm], np.arange(len(runs) + window), side="left")
+    return ConsumerPlan(runs, steps, piece[perm], run_of[perm], len(piece), window, padded)
 
 
 def remainder_order(counts: np.ndarray, spec: PlanSpec, consumed: list[int],
@@ -168,7 +175,9 @@ def remainder_order(counts: np.ndarray, spec: PlanSpec, consumed: list[int],
     """Samples of an epoch not yet read, when worker ``w`` of every rank has read ``consumed[w]``.
 
     Ranks advance in lockstep (equal lengths, equal worker splits), so one rank's per-worker counts
-    hold for all ranks. Padding repeats are dropped, so each real sample remains exactly once.
+    hold for all ranks. Padding repeats are dropped, so each real sample remains exactly once. The
+    result is grouped by shard, shards in the order of ``order`` (default: the epoch's global
+    order), so the resumed plan reads whole runs again.
     """
     counts = np.asarray(counts, dtype=np.int64)
     base = global_order(counts, spec) if order is None else order
@@ -177,14 +186,17 @@ def remainder_order(counts: np.ndarray, spec: PlanSpec, consumed: list[int],
     for r in range(spec.dp_size):
         for w in range(spec.num_workers):
             sub = PlanSpec(**{**spec.__dict__, "dp_rank": r, "worker_id": w})
-            # as the dataset builds it: a remainder order is not reshuffled again
-            samples = build_plan(counts, sub, order=base, reshuffle=order is None).samples
+            samples = build_plan(counts, sub, order=base).samples
             assert samples is not None
             done.append(samples[:consumed[w]])
             rest.append(samples[consumed[w]:])
     if not rest:
         return np.zeros(0, dtype=np.int64)
-    rest_all = np.concatenate(rest)
+    rest_all = np.unique(np.concatenate(rest))
     rest_all = rest_all[~np.isin(rest_all, np.concatenate(done))]
-    _, first = np.unique(rest_all, return_index=True)
-    return rest_all[np.sort(first)]
+    offsets = _offsets(counts)
+    shard_rank = np.empty(len(counts), dtype=np.int64)
+    first_seen = np.unique(np.searchsorted(offsets, base, side="right") - 1, return_index=True)
+    shard_rank[first_seen[0]] = first_seen[1]
+    shard = np.searchsorted(offsets, rest_all, side="right") - 1
+    return rest_all[np.lexsort((rest_all, shard_rank[shard]))]

@@ -1,4 +1,4 @@
-"""Helpers for tests/test_cache.py that run inside child processes (fork or spawn).
+"""Helpers for tests/test_cache.py: code run inside child processes, and process plumbing.
 
 Entry bytes and sizes are derived from the key alone, so any process can check what it reads.
 Every call of a fetch function appends ``<key> <tag>`` to a per-process log file in ``log_dir``

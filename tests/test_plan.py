@@ -1,4 +1,4 @@
-"""Property tests of the pure epoch plan (datacache.plan): exactly once, equal ranks, purity, windows,
+"""Property tests of the pure epoch plan (datacache.plan): exactly once, equal ranks, purity, the sliding window,
 remainders. Replication is tested at the dataset level (tests/test_dataset.py)."""
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ def test_plan_is_pure(counts: list[int], spec: PlanSpec) -> None:
     a, b = all_plans(counts, spec), all_plans(list(counts), replace(spec))
     for k in a:
         assert np.array_equal(a[k].samples, b[k].samples)
-        assert a[k].windows == b[k].windows and a[k].padded == b[k].padded
+        assert a[k].runs == b[k].runs and np.array_equal(a[k].steps, b[k].steps) and a[k].padded == b[k].padded
         shards_only = build_plan(np.array(counts), replace(spec, dp_rank=k[0], worker_id=k[1]), shards_only=True)
-        assert shards_only.samples is None and shards_only.windows == a[k].windows
+        assert shards_only.samples is None and shards_only.runs == a[k].runs
         assert len(shards_only) == len(a[k])
 
 
@@ -103,18 +103,25 @@ def test_no_shuffle_keeps_global_order(counts: list[int], spec: PlanSpec) -> Non
 
 @SETTINGS
 @given(counts_st, specs())
-def test_windows_touch_at_most_window_shards(counts: list[int], spec: PlanSpec) -> None:
+def test_sliding_window_pipeline(counts: list[int], spec: PlanSpec) -> None:
+    """Step i reads only runs i-window+1 .. i, so a consumer holds at most `window` runs open, and
+    each run reads only its own shard's local range."""
     for plan in all_plans(counts, spec).values():
-        pos = 0
-        for a, b, shards in plan.windows:
-            assert a == pos and b > a, "windows must tile the plan"
-            pos = b
-            assert 1 <= len(shards) <= spec.window
-            assert len(set(shards)) == len(shards)
-            # the shuffled samples of a window stay within the window's shards
-            assert set(shard_of(counts, plan.samples[a:b]).tolist()) == set(shards)
-        assert pos == len(plan)
-        assert plan.shard_sequence == [s for _, _, sh in plan.windows for s in sh]
+        w = plan.window
+        assert w == (spec.window if spec.shuffle else 1)
+        assert plan.steps[0] == 0 and plan.steps[-1] == len(plan)
+        assert np.all(np.diff(plan.steps) >= 0)
+        for i in range(len(plan.steps) - 1):
+            runs = plan.run_of[plan.steps[i]:plan.steps[i + 1]]
+            assert np.all((runs <= i) & (runs > i - w)), "a step reads a run that is not open"
+        sh = shard_of(counts, plan.samples)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        for r, (shard, lo, hi) in enumerate(plan.runs):
+            mine = plan.run_of == r
+            assert np.all(sh[mine] == shard)
+            local = plan.samples[mine] - offsets[shard]
+            assert local.min() >= lo and local.max() < hi
+        assert plan.shard_sequence == [r[0] for r in plan.runs]
         times = plan.shard_times(3)
         assert [s for s, _ in times] == plan.shard_sequence
         assert all(3 <= t < 4 for _, t in times)
@@ -130,7 +137,7 @@ def consumed_for(draw: st.DrawFn, counts: list[int], spec: PlanSpec) -> list[int
 
 def unread(counts: list[int], spec: PlanSpec, consumed: list[int], order=None) -> tuple[set[int], set[int]]:
     """(every real sample of the plans, samples read) given per-worker consumed counts."""
-    plans = all_plans(counts, spec, order=order, reshuffle=order is None)
+    plans = all_plans(counts, spec, order=order)
     every = set(np.concatenate([p.samples for p in plans.values()]).tolist())
     read = set()
     for (_, w), p in plans.items():
@@ -162,7 +169,7 @@ def test_remainder_of_a_remainder(data: st.DataObject, counts: list[int], spec: 
     _, read_a = unread(counts, spec, consumed_a)
     spec_b = replace(spec, dp_size=dp2, num_workers=nw2)
     assume(len(order_b) > 0)
-    lengths = [len(build_plan(c, replace(spec_b, worker_id=w), order=order_b, reshuffle=False))
+    lengths = [len(build_plan(c, replace(spec_b, worker_id=w), order=order_b))
                for w in range(nw2)]
     consumed_b = [data.draw(st.integers(0, n)) for n in lengths]
     _, read_b = unread(counts, spec_b, consumed_b, order=order_b)
