@@ -3,8 +3,8 @@
 A ``Consumer`` belongs to one process (the main process, or one DataLoader worker) and one epoch.
 It installs the node's clairvoyant schedule in the cache and runs a two-stage pipeline over its
 runs: stage 1 (``Prefetcher``, adaptive thread pool) gets each run's shard into the cache far
-ahead; stage 2 (one decode thread) pins the next runs' shards and reads their ranges sequentially
-(each block decompressed once). The consumer then walks the plan's steps, yielding samples in the
+ahead; stage 2 (one decode thread) takes the next runs' pinned shards, reads their ranges sequentially
+(each block decompressed once) and unpins them. The consumer then walks the plan's steps, yielding samples in the
 shuffled order while at most ``window`` runs are open. Not thread-safe: one consumer per thread.
 """
 from __future__ import annotations
@@ -85,10 +85,11 @@ class Consumer:
         handle = self.prefetcher.take()
         try:
             shard, lo, hi = self.plan.runs[run]
-            return _Run(handle, lo, self._read(shard, handle, lo, hi))
-        except BaseException:
+            return _Run(lo, self._read(shard, handle, lo, hi))
+        finally:
+            # Decoded samples own their memory, so the shard is unpinned at once: pins stay within
+            # the prefetch lookahead and the cache keeps its freedom to evict.
             handle.release()
-            raise
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         plan, n = self.plan, max(len(self.plan), 1)
@@ -148,13 +149,12 @@ _DECODE_AHEAD = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=2, max_
 
 
 class _Run:
-    """A decoded run: its pinned shard handle, first local index, and samples (None if skipped)."""
+    """A decoded run: its first local index and samples (None if the shard was skipped)."""
 
-    def __init__(self, handle: CacheHandle, lo: int, samples: list[Any] | None) -> None:
-        self.handle, self.lo, self.samples = handle, lo, samples
+    def __init__(self, lo: int, samples: list[Any] | None) -> None:
+        self.lo, self.samples = lo, samples
 
     def release(self) -> None:
-        self.handle.release()
         self.samples = None
 
 

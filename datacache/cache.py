@@ -287,6 +287,12 @@ class NodeCache:
             _unlink(final)
             unlock_close(fd)
             raise
+        if not admitted and tier is self.ram:  # not wanted in RAM: the SSD tier may still want it
+            handle = self._try_ssd(key, final, nbytes, digest)
+            if handle is not None:
+                _unlink(final)
+                unlock_close(fd)
+                return handle
         if not admitted:  # the policy bypasses it: serve it privately, deleted on release
             private = tier.file_path(f".pass-{fname}")
             os.replace(final, private)
@@ -294,6 +300,32 @@ class NodeCache:
             return CacheHandle(key, private, nbytes, "pass", fd)
         finish_all(self, victims)
         return CacheHandle(key, final, nbytes, tier.name, fd)
+
+    def _try_ssd(self, key: str, path: str, nbytes: int, digest: str) -> CacheHandle | None:
+        """Copy a file RAM turned down into the SSD tier; the SSD handle, or None if refused."""
+        if not self.ssd.enabled or nbytes > self.ssd.budget:
+            return None
+        with self.index.read() as txn:
+            e = txn.get(key)
+        if e is not None and "ssd" in e.tiers:
+            return None
+        tmp = self.ssd.temp_path(key_id(key))
+        try:
+            shutil.copyfile(path, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            handle = self._commit(key, self.ssd, tmp, nbytes, digest)
+        except OSError as exc:
+            _unlink(tmp)
+            if exc.errno in NO_SPACE_ERRNOS:
+                self.ssd.disable(f"no space left ({exc})")
+                return None
+            raise
+        if handle.tier == "pass":
+            handle.release()
+            self.index.count(bypassed=-1)  # counted once, by the caller's pass-through
+            return None
+        return handle
 
     def _promote(self, key: str, entry: Entry, ssd_handle: CacheHandle, locked: bool) -> CacheHandle | None:
         lock = None

@@ -138,8 +138,8 @@ def test_warm_order_is_the_node_plans_interleaved() -> None:
              for r in (2, 3) for w in range(2)]
     assert len(order) == len(set(order))
     assert set(order) == {s for p in plans for s in p.shard_sequence}
-    first_windows = {s for p in plans for s in p.windows[0][2]}
-    assert set(order[:len(first_windows)]) == first_windows  # what every consumer needs at t=epoch comes first
+    first_runs = {p.runs[0][0] for p in plans}
+    assert set(order[:len(first_runs)]) == first_runs  # what every consumer needs at t=epoch comes first
     for p in plans:  # each consumer's own sequence is a subsequence of the node order
         pos = [order.index(s) for s in dict.fromkeys(p.shard_sequence)]
         assert pos == sorted(pos)

@@ -130,3 +130,26 @@ def test_min_reaches_the_bound_on_reshuffled_epochs(seed):
     lru = _epoch_misses(lambda perms: (LRUPolicy(), None), d, c, seed=seed)
     assert lru[0] == d and all(m >= d - c for m in lru[1:])  # no policy beats D - C
     assert sum(lru) >= sum(mn)
+
+
+def test_ram_bypass_falls_through_to_ssd(tmp_path):
+    """Clairvoyant: what RAM turns down (used later than all it holds) goes to SSD if SSD wants it,
+    so a two-tier cache behaves like one MIN cache of RAM + SSD entries."""
+    from datacache import CacheConfig, ClairvoyantPolicy, NodeCache, Schedule
+    from datacache.hashing import hash_bytes
+
+    size = 1000
+    seq = [f"k{i}" for i in range(6)] * 2
+    cfg = CacheConfig(ram_bytes=2 * size, ssd_bytes=4 * size, ram_dir=str(tmp_path / "ram"), ssd_dir=str(tmp_path / "ssd"))
+    data = {k: k.encode() * (size // len(k)) for k in set(seq)}
+    data = {k: v.ljust(size, b"-") for k, v in data.items()}
+    with NodeCache(cfg, policy=ClairvoyantPolicy(Schedule.from_sequence(seq), auto_advance=True)) as cache:
+        tiers = []
+        for k in seq:
+            with cache.get(k, lambda p, k=k: open(p, "wb").write(data[k]), size=size, hash=hash_bytes(data[k])) as h:
+                assert h.read() == data[k]
+                tiers.append(h.tier)
+        st = cache.stats()
+    # first pass: 6 misses, all cached (2 in RAM, 4 on SSD); second pass: 6 hits, no fetch
+    assert st["misses"] == 6 and st["hits_ram"] + st["hits_ssd"] == 6, st
+    assert "pass" not in tiers
