@@ -360,7 +360,7 @@ class Store:
         if size == 0:  # no satisfiable range: a plain GET checks existence and emptiness
             data = self._call("read", name, lambda fs, p: fs.cat_file(p), started=started)
             if data:
-                raise IntegrityError(f"object is larger than the expected 0 bytes", url=self.url_of(name),
+                raise IntegrityError("object is larger than the expected 0 bytes", url=self.url_of(name),
                                      hint="The object was replaced; rebuild or refresh the manifest")
             return
         step = self.transfer.part_bytes

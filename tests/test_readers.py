@@ -14,7 +14,6 @@ import struct
 import tarfile
 import tempfile
 import time
-import zlib
 from typing import Any, Callable
 
 import lmdb

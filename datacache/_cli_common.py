@@ -1,0 +1,146 @@
+"""Shared pieces of the ``datacache`` subcommands: context, progress, thread pool, errors."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from .config import CacheConfig
+from .hashing import hash_file
+from .storage import Store
+
+__all__ = ["Ctx", "UsageError"]
+
+
+_CHUNK = 8 << 20
+
+
+class UsageError(ValueError):
+    """A bad command line: reported with the usage line, exit code 2."""
+
+
+class _Stopped(Exception):
+    """Raised inside a transfer callback to abandon it (Ctrl-C or another task failed)."""
+
+
+@dataclass
+class Ctx:
+    """What every subcommand gets: the parsed arguments and the resolved global settings."""
+
+    args: Any
+    json: bool
+    quiet: bool
+    debug: bool
+    cache_config: Callable[[], CacheConfig]
+    storage_options: dict[str, Any]
+
+    def emit(self, data: dict[str, Any], lines: Iterable[str]) -> None:
+        if self.json:
+            print(json.dumps(data, indent=1))
+        else:
+            for line in lines:
+                print(line)
+        sys.stdout.flush()
+
+
+# ------------------------------------------------------------------------------------ helpers
+class _Progress:
+    """A thread-safe tqdm byte bar (MB, MB/s, ETA) with an item counter as postfix."""
+
+    def __init__(self, ctx: Ctx, total: int, desc: str, items: int, noun: str = "shards") -> None:
+        self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000,
+                         disable=ctx.quiet, file=sys.stderr, dynamic_ncols=True, leave=False)
+        self._lock = threading.Lock()
+        self.items, self.done, self.noun = items, 0, noun
+        self._postfix()
+
+    def _postfix(self) -> None:
+        self._bar.set_postfix_str(f"{self.done}/{self.items} {self.noun}", refresh=False)
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._bar.update(n)
+
+    def item_done(self) -> None:
+        with self._lock:
+            self.done += 1
+            self._postfix()
+            self._bar.refresh()
+
+    def grow(self, nbytes: int, items: int = 1) -> None:
+        with self._lock:
+            self._bar.total = (self._bar.total or 0) + nbytes
+            self.items += items
+            self._postfix()
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _run_pool(items: Sequence[Any], fn: Callable[[Any], None], threads: int, stop: threading.Event,
+              name: str) -> None:
+    """``fn(item)`` for every item on a thread pool, started in order. The first error (or Ctrl-C in
+    the main thread) sets ``stop``, cancels what has not started, waits for the running tasks (which
+    watch ``stop`` and abandon their transfer within one part) and is re-raised."""
+    if not items:
+        return
+    pool = ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix=name)
+    futures = []
+    try:
+        futures = [pool.submit(fn, item) for item in items]
+        for f in as_completed(futures):
+            f.result()
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        for f in futures:
+            f.cancel()
+        pool.shutdown(wait=True)
+
+
+def _watch(stop: threading.Event, progress: _Progress | None) -> Callable[[int], None]:
+    def on_bytes(n: int) -> None:
+        if stop.is_set():
+            raise _Stopped()
+        if progress is not None:
+            progress.add(n)
+    return on_bytes
+
+
+def _download(store: Store, name: str, size: int, tmpdir: str, on_bytes: Callable[[int], None]) -> tuple[str, str]:
+    """Read object ``name`` into a temporary file under ``tmpdir``; returns (path, content hash)."""
+    fd, path = tempfile.mkstemp(dir=tmpdir, prefix=".dl-")
+    os.close(fd)
+    try:
+        store.read_into(name, path, size=size, on_bytes=on_bytes)
+        return path, hash_file(path)
+    except BaseException:
+        os.unlink(path)
+        raise
+
+
+def _mbps(nbytes: int, seconds: float) -> float:
+    return nbytes / 1e6 / seconds if seconds > 0 else 0.0
+
+
+def _fmt_ranks(ranks: Sequence[int]) -> str:
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+# --------------------------------------------------------------------------------------- warm
