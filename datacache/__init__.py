@@ -8,6 +8,7 @@ Public API (guarded by ``tests/test_api.py``)::
     NodeCache, CacheHandle                  the node cache
     LRUPolicy, ClairvoyantPolicy, Schedule  eviction policies
     StreamingDataset                        the drop-in IterableDataset
+    CachedDataset                           map-style, for your own sampler (plan(indices))
     CacheConfig, PrefetchConfig, TransferConfig, RetryConfig, parse_size
     DatacacheError and subclasses           see datacache.errors
 """
@@ -33,6 +34,10 @@ def __getattr__(name: str) -> object:
         from .dataset import StreamingDataset
 
         return StreamingDataset
+    if name == "CachedDataset":
+        from .mapped import CachedDataset
+
+        return CachedDataset
     raise AttributeError(f"module 'datacache' has no attribute {name!r}")
 
 
@@ -43,7 +48,7 @@ __all__ = [
     "open_store", "Store",
     "NodeCache", "CacheHandle",
     "LRUPolicy", "ClairvoyantPolicy", "Schedule",
-    "StreamingDataset",
+    "StreamingDataset", "CachedDataset",
     "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size",
     "DatacacheError", "StorageError", "TransientStorageError", "NotFoundError", "PermissionDeniedError",
     "ManifestError", "IntegrityError", "ReaderError", "CacheError",

@@ -9,6 +9,7 @@ shuffled order while at most ``window`` runs are open. Not thread-safe: one cons
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from .plan import ConsumerPlan, PlanSpec, build_plan
 from .prefetch import Prefetcher
 from .storage import Store
 
-__all__ = ["Consumer", "node_schedule"]
+__all__ = ["Consumer", "node_schedule", "cap_lookahead", "collate"]
 
 log = logging.getLogger("datacache.dataset")
 
@@ -45,6 +46,19 @@ def node_schedule(manifest: Manifest, counts: np.ndarray, spec: PlanSpec, dp_ran
                 for shard, t in plan.shard_times(epoch):
                     times.setdefault(manifest.cache_key(shard), []).append(t)
     return Schedule(times)
+
+
+def cap_lookahead(prefetch: PrefetchConfig, cache: NodeCache, manifest: Manifest, consumers: int) -> PrefetchConfig:
+    """Cap the lookahead so the node's consumers pin at most a quarter of the fastest tier:
+    pinned entries cannot be evicted, and a cache full of pins serves nothing twice."""
+    tier = next((t for t in (cache.ram, cache.ssd) if t.enabled), None)
+    if tier is None:
+        return prefetch
+    biggest = max((s.bytes for s in manifest.shards), default=1)
+    cap = max(tier.budget // (4 * max(consumers, 1)), biggest)
+    la = min(int(prefetch.lookahead_bytes), cap)
+    return dataclasses.replace(prefetch, lookahead_bytes=la,
+                               max_lookahead_bytes=max(la, min(int(prefetch.max_lookahead_bytes), cap)))
 
 
 class Consumer:

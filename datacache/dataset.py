@@ -16,7 +16,6 @@ be called from the training loop.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from ._consumer import Consumer, collate, node_schedule
+from ._consumer import Consumer, cap_lookahead, collate, node_schedule
 from .cache import NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
 from .dist import DistInfo, detect
@@ -170,7 +169,7 @@ class StreamingDataset(tud.IterableDataset):
             schedule = node_schedule(self.manifest, self.counts, spec, ranks, first_plan_order=order)
         if self._consumer is not None:
             self._consumer.close()
-        prefetch = self._prefetch_config(len(self._node_dp_ranks()) * num_workers)
+        prefetch = cap_lookahead(self.prefetch, self.cache, self.manifest, len(self._node_dp_ranks()) * num_workers)
         consumer = Consumer(manifest=self.manifest, store=self.store, cache=self.cache, plan=plan, epoch=self.epoch,
                             skip=skip, prefetch=prefetch, schedule=schedule, reader_options=self.reader_options,
                             on_error=self.on_error, name=f"datacache-prefetch-r{self.dp_rank}w{worker_id}")
@@ -178,18 +177,6 @@ class StreamingDataset(tud.IterableDataset):
         self._resume_base = self._resume
         self._resume = None
         yield from self._emit(consumer)
-
-    def _prefetch_config(self, consumers: int) -> PrefetchConfig:
-        """Cap the lookahead so the node's consumers pin at most a quarter of the fastest tier:
-        pinned entries cannot be evicted, and a cache full of pins serves nothing twice."""
-        tier = next((t for t in (self.cache.ram, self.cache.ssd) if t.enabled), None)
-        if tier is None:
-            return self.prefetch
-        biggest = max((s.bytes for s in self.manifest.shards), default=1)
-        cap = max(tier.budget // (4 * max(consumers, 1)), biggest)
-        la = min(int(self.prefetch.lookahead_bytes), cap)
-        return dataclasses.replace(self.prefetch, lookahead_bytes=la,
-                                   max_lookahead_bytes=max(la, min(int(self.prefetch.max_lookahead_bytes), cap)))
 
     def _emit(self, consumer: Consumer) -> Iterator[Any]:
         transform = self.transform
