@@ -21,7 +21,7 @@ import readers
 
 from .cache import CacheHandle, NodeCache
 from .config import PrefetchConfig
-from .errors import ReaderError
+from .errors import IntegrityError, NotFoundError, ReaderError
 from .eviction import ClairvoyantPolicy, Schedule
 from .manifest import Manifest
 from .plan import ConsumerPlan, PlanSpec, build_plan
@@ -78,27 +78,45 @@ class Consumer:
         # Runs that still have samples to read (all of them unless resuming mid-epoch).
         self.needed = sorted(set(plan.run_of[skip:].tolist())) if skip and plan.run_of is not None \
             else list(range(n_runs))
+        self.skipped_shards = 0  # set before the stages start: the decode thread counts into it
+        self._skipped: set[int] = set()
         # Stage 1: shards into the cache, far ahead (network-bound, adaptive, byte-bounded).
-        self.prefetcher: Prefetcher[int, CacheHandle] = Prefetcher(
-            [plan.runs[r][0] for r in self.needed], self._load, size_of=lambda s: manifest.shards[s].bytes,
-            release=CacheHandle.release, config=prefetch, name=name)
+        self.prefetcher: Prefetcher[tuple[int, int], CacheHandle] = Prefetcher(
+            list(enumerate(plan.runs[r][0] for r in self.needed)), self._load,
+            size_of=lambda item: manifest.shards[item[1]].bytes, release=CacheHandle.release, config=prefetch,
+            name=name)
         # Stage 2: the next runs decoded while the current step is consumed.
         self.decoder: Prefetcher[int, _Run] = Prefetcher(
             self.needed, self._decode, release=_Run.release, config=_DECODE_AHEAD, name=f"{name}-decode")
         self.consumed = skip
-        self.skipped_shards = 0
 
-    def _load(self, shard: int) -> CacheHandle:
+    def _load(self, item: tuple[int, int]) -> CacheHandle:
+        """Get (position in the plan, shard) into the cache; earlier positions get the link first."""
+        position, shard = item
         info = self.manifest.shards[shard]
-        return self.cache.get(self.manifest.cache_key(shard),
-                              lambda path: self.store.read_into(info.name, path, size=info.bytes),
-                              size=info.bytes, hash=info.hash)
+        try:
+            return self.cache.get(self.manifest.cache_key(shard),
+                                  lambda path: self.store.read_into(info.name, path, size=info.bytes,
+                                                                    priority=position),
+                                  size=info.bytes, hash=info.hash)
+        except IntegrityError as exc:
+            if exc.url is not None:
+                raise
+            err = IntegrityError(str(exc), url=self.store.url_of(info.name))  # the cache knows keys, not URLs
+            err.hint = exc.hint
+            raise err from exc
 
     def _decode(self, run: int) -> "_Run":
         """Runs on the decode thread: pin the run's shard (waiting on stage 1) and read its range."""
-        handle = self.prefetcher.take()
+        shard, lo, hi = self.plan.runs[run]
         try:
-            shard, lo, hi = self.plan.runs[run]
+            handle = self.prefetcher.take()
+        except (IntegrityError, NotFoundError) as exc:  # this shard's object is missing or not the manifest's
+            if self.on_error != "skip":
+                raise
+            self._skip(shard, exc)
+            return _Run(lo, None)
+        try:
             return _Run(lo, self._read(shard, handle, lo, hi))
         finally:
             # Decoded samples own their memory, so the shard is unpinned at once: pins stay within
@@ -144,10 +162,17 @@ class Consumer:
                               hint="Check the manifest's format, or rebuild the shard")
             if self.on_error != "skip":
                 raise err from exc
-            self.skipped_shards += 1
-            self.cache.index.count(skipped_shards=1)
-            warnings.warn(f"datacache: skipping shard: {err}", stacklevel=2)
+            self._skip(shard, err)
             return None
+
+    def _skip(self, shard: int, err: BaseException) -> None:
+        """on_error="skip": count the shard (``stats()["skipped_shards"]``) and warn, once per shard."""
+        if shard in self._skipped:
+            return
+        self._skipped.add(shard)
+        self.skipped_shards += 1
+        self.cache.index.count(skipped_shards=1)
+        warnings.warn(f"datacache: skipping shard: {err}", stacklevel=3)
 
     @property
     def wait_seconds(self) -> float:

@@ -240,6 +240,10 @@ class NodeCache:
                 if tier is not None and exc.errno in NO_SPACE_ERRNOS:
                     tier.disable(f"no space left ({exc})")
                     continue
+                if exc.errno in NO_SPACE_ERRNOS:  # not even a private pass-through copy fits
+                    raise CacheError(f"no space left for a pass-through copy of {key} ({exc})", url=self.pass_dir,
+                                     hint="Free space there, or give the cache a RAM tier (ram_bytes) on another "
+                                     "file system") from exc
                 raise
             except BaseException:
                 _unlink(tmp)

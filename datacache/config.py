@@ -63,14 +63,16 @@ class TransferConfig:
     """How whole objects are read: parallel byte-range GETs of ``part_bytes`` each.
 
     ``concurrency`` is the number of parts in flight per object; 8-16 MB parts are what S3 recommends.
-    ``max_requests`` caps the ranged GETs in flight per process and store, served first come first
-    served: enough to hide per-request latency, few enough that the shard needed next is not slowed
-    by shards needed later (raise it for links with a large bandwidth x latency product).
+    ``max_requests`` caps the ranged GETs in flight per process and store; waiting parts are admitted
+    in the order the read plan needs them (the prefetcher passes each shard's position as its
+    priority), so the shard needed next gets the link instead of sharing it with shards needed later.
+    Two hide a 20 ms request latency at 50 MB/s; raise it for links with a large bandwidth x latency
+    product (DataLoader workers each have their own store, so a node has workers x max_requests).
     """
 
     part_bytes: int = 8 << 20
     concurrency: int = 8
-    max_requests: int = 8
+    max_requests: int = 2
     timeout: float = 60.0
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ be called from the training loop.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -57,7 +58,9 @@ class StreamingDataset(tud.IterableDataset):
     and equal-shape arrays, lists otherwise) straight from the reader; use ``DataLoader(ds,
     batch_size=None)``. ``replication=k``: the k consecutive ranks of a tensor/pipeline-parallel
     group receive identical samples (or pass ``dp_rank``/``dp_size`` explicitly).
-    ``on_error="skip"`` skips a shard that cannot be read (counted, warned) instead of raising.
+    ``on_error="skip"`` skips a shard that cannot be read (its object missing or not matching the
+    manifest, or unparsable by the reader) instead of raising: one warning per shard, counted in
+    ``stats()["skipped_shards"]``; the other shards' samples are delivered.
     """
 
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
@@ -197,10 +200,20 @@ class StreamingDataset(tud.IterableDataset):
 
     def _flush_stats(self, consumer: Consumer) -> None:
         p = consumer.decoder
-        self.cache.index.count(wait_seconds=p.wait_seconds, waits=p.waits,
-                               samples=consumer.consumed, padded=consumer.plan.padded if consumer.skip == 0 else 0)
+        self.cache.index.count(wait_seconds=p.wait_seconds, waits=p.waits, samples=consumer.consumed,
+                               padded=consumer.plan.padded if consumer.skip == 0 else 0,
+                               storage_retries=self._unflushed_retries(mark=True))
         p.wait_seconds, p.waits = 0.0, 0
         self.cache.index.flush()
+
+    def _unflushed_retries(self, mark: bool = False) -> int:
+        """Storage retries of this process not yet in the node-wide ``storage_retries`` counter (a
+        forked DataLoader worker's store counts from zero); with ``mark`` they count as added now."""
+        total = self.store.stats()["retries"]
+        pid, done = getattr(self, "_retries_flushed", (-1, 0))
+        if mark:
+            self._retries_flushed = (os.getpid(), total)
+        return total - (done if pid == os.getpid() else 0)
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
@@ -247,8 +260,11 @@ class StreamingDataset(tud.IterableDataset):
 
     # ------------------------------------------------------------------ stats / lifecycle
     def stats(self) -> dict[str, Any]:
-        """Node-wide cache counters plus this process's consumer: wait seconds, prefetch depth."""
+        """Node-wide cache counters plus this process's consumer: wait seconds, prefetch depth.
+        ``storage_retries``: retried storage requests (every consumer's finished epochs on the node,
+        plus this process's so far)."""
         out = self.cache.stats()
+        out["storage_retries"] = int(out.get("storage_retries", 0)) + self._unflushed_retries()
         c = self._consumer
         if c is not None:
             out["consumer_wait_seconds"] = c.decoder.wait_seconds

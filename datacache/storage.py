@@ -5,7 +5,8 @@
 Whole objects are read as parallel byte-range GETs of ``TransferConfig.part_bytes`` with
 ``TransferConfig.concurrency`` parts in flight per object and at most ``max_requests`` ranged GETs
 in flight per process (a FIFO semaphore: the parts asked for first are served first, so the shard
-needed next gets the link instead of sharing it with shards needed later), on the store's thread pool (threads named
+needed next gets the link instead of sharing it with shards needed later; see ``_slots``), on the
+store's thread pool (threads named
 ``datacache-io-N``, 4 x concurrency of them, at most 64, shared by concurrent calls); ``read_into``
 writes each part at its offset with ``os.pwrite`` so a shard never has to be held in memory.
 
@@ -40,7 +41,8 @@ from typing import Any, Callable
 import fsspec
 from fsspec.core import split_protocol
 
-from ._retry import ShortReadError, check_name as _check_name, retry_call, secret_values
+from ._slots import PrioritySlots
+from ._retry import ShortReadError, check_name as _check_name, error_code, retry_call, secret_values
 from .config import RetryConfig, TransferConfig
 from .errors import IntegrityError, NotFoundError, StorageError
 
@@ -130,7 +132,7 @@ class Store:
 
     def _init_state(self) -> None:
         self._lock = threading.Lock()
-        self._requests = threading.BoundedSemaphore(self.transfer.max_requests)
+        self._requests = PrioritySlots(self.transfer.max_requests)
         self._pid = os.getpid()
         self._fs: Any = None
         self._root = ""
@@ -276,10 +278,11 @@ class Store:
         return bytes(buf)
 
     def read_into(self, name: str, path: str, *, size: int | None = None,
-                  on_bytes: Callable[[int], None] | None = None) -> int:
+                  on_bytes: Callable[[int], None] | None = None, priority: float = 0.0) -> int:
         """Read the whole object into the existing local file ``path`` (each part written at its
         offset with ``os.pwrite``, so memory stays ~part_bytes x concurrency); returns the byte count.
-        ``on_bytes(n)`` is called (from I/O threads) after each part is written."""
+        ``on_bytes(n)`` is called (from I/O threads) after each part is written. Lower ``priority``
+        values get request slots first (the prefetcher passes each shard's position in its plan)."""
         size = self.size(name) if size is None else size
         fd = os.open(path, os.O_WRONLY)
         try:
@@ -290,7 +293,7 @@ class Store:
                     view, off = view[n:], off + n
                 if on_bytes is not None:
                     on_bytes(len(data))
-            self._read_parts(name, size, sink)
+            self._read_parts(name, size, sink, priority)
         finally:
             os.close(fd)
         return size
@@ -328,15 +331,20 @@ class Store:
 
     # -- ranged reads -----------------------------------------------------------------------
     def _read_part(self, name: str, start: int, end: int, total: int | None, started: float,
-                   cancelled: Callable[[], bool] | None) -> bytes:
+                   cancelled: Callable[[], bool] | None, priority: float = 0.0) -> bytes:
         """GET ``[start, end)``; for the last part of an object of expected size ``total`` one extra
         byte is asked for, so an object that grew is detected."""
         want = end - start
         extra = 1 if total is not None and end == total else 0
 
         def get(fs: Any, path: str) -> bytes:
-            with self._requests:  # FIFO: the earliest-requested parts are served first
-                data = fs.cat_file(path, start=start, end=end + extra)
+            with self._requests.hold(priority):  # the part needed soonest goes first
+                try:
+                    data = fs.cat_file(path, start=start, end=end + extra)
+                except Exception as exc:
+                    if error_code(exc) != "InvalidRange":
+                        raise
+                    data = b""  # 416: the range starts past the object's end; the size check below says why
             if len(data) > want:
                 raise IntegrityError(f"object is larger than the expected {total} bytes", url=self.url_of(name),
                                      hint="The object was replaced; rebuild or refresh the manifest")
@@ -353,7 +361,7 @@ class Store:
         self._bump("bytes_read", len(data))
         return data
 
-    def _read_parts(self, name: str, size: int, sink: Callable[[int, bytes], None]) -> None:
+    def _read_parts(self, name: str, size: int, sink: Callable[[int, bytes], None], priority: float = 0.0) -> None:
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
         started = time.monotonic()
@@ -371,7 +379,7 @@ class Store:
         def one(start: int, end: int) -> None:
             if failed.is_set():
                 return
-            sink(start, self._read_part(name, start, end, size, started, failed.is_set))
+            sink(start, self._read_part(name, start, end, size, started, failed.is_set, priority))
 
         if len(parts) == 1 or threading.current_thread().name.startswith("datacache-io-"):
             for start, end in parts:  # small object, or called from an I/O thread: no nesting

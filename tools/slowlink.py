@@ -10,7 +10,9 @@
   ``503 Slow Down`` with an S3 XML body and ``Connection: close``, never reaching the server),
   ``reset_every`` (every Nth request's response is cut by a TCP reset after a few KB),
   ``latency_spike=(N, seconds)`` (every Nth request is delayed that much longer); each injected
-  fault increments ``injected``.
+  fault increments ``injected``;
+* ``retarget(host, port)``: new connections go to another server from then on (a restarted store
+  on new ports keeps the same endpoint behind the proxy).
 
 Only enough HTTP/1.1 is parsed to see request starts and methods; it assumes the client sends a
 request only after reading the previous response (keep-alive without pipelining).
@@ -112,6 +114,11 @@ class SlowLink:
         return (f"SlowLink({self.endpoint_url} -> {self.target_host}:{self.target_port}, "
                 f"bandwidth={self.bandwidth:g}, latency={self.latency:g})")
 
+    def retarget(self, host: str, port: int) -> None:
+        """Forward connections opened from now on to ``host:port``; open ones keep their server."""
+        with self._lock:
+            self.target_host, self.target_port = host, port
+
     # -- lifecycle ----------------------------------------------------------------------------
     def __enter__(self) -> "SlowLink":
         return self.start()
@@ -211,8 +218,10 @@ class SlowLink:
         conn = _Conn(client_w)
         self._conns.add(conn)
         self._add(connections=1)
+        with self._lock:
+            host, port = self.target_host, self.target_port
         try:
-            server_r, conn.server_w = await asyncio.open_connection(self.target_host, self.target_port, limit=CHUNK)
+            server_r, conn.server_w = await asyncio.open_connection(host, port, limit=CHUNK)
         except OSError:
             self._close(conn)
             return

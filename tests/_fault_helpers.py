@@ -1,0 +1,150 @@
+"""Helpers for tests/test_faults.py and tests/test_hostile.py, and a child-process entry point.
+
+Sample ``i`` of a test dataset is ``{"i": i, "data": payload(i, size)}``: the payload is derived
+from ``i`` alone, so any process can check every byte it is served.
+
+``python tests/_fault_helpers.py '<json spec>'`` runs one StreamingDataset epoch (no DataLoader
+workers) in a fresh process and prints one JSON line: ``ids`` (in the order served), ``bad``
+(samples whose bytes are wrong), ``stats`` and ``reconciled`` (the cache's start-up report).
+Warnings of the datacache loggers go to stderr. The spec holds ``url``, ``opts``, ``cache``
+(CacheConfig keywords), ``n`` and ``size``, and optionally ``transfer`` and ``prefetch``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from datacache import CacheConfig, Manifest, write_dataset  # noqa: E402
+
+FORK = mp.get_context("fork")
+HELPER = str(Path(__file__).resolve())
+
+
+def payload(i: int, size: int) -> bytes:
+    return random.Random(i).randbytes(size)
+
+
+def write(url: str, opts: dict[str, Any] | None, n: int, size: int, shard_bytes: int, **kw: Any) -> Manifest:
+    samples = ({"i": i, "data": payload(i, size)} for i in range(n))
+    return write_dataset(samples, url, shard_bytes=shard_bytes, storage_options=opts, progress=False, **kw)
+
+
+def check(samples: Iterable[dict[str, Any]], size: int) -> tuple[list[int], int]:
+    """(ids in the order served, number of samples whose payload is wrong)."""
+    ids, bad = [], 0
+    for s in samples:
+        i = int(s["i"])
+        ids.append(i)
+        bad += bytes(s["data"]) != payload(i, size)
+    return ids, bad
+
+
+def assert_exactly_once(samples: Iterable[dict[str, Any]], n: int, size: int) -> list[int]:
+    ids, bad = check(samples, size)
+    assert bad == 0, f"{bad} samples with wrong bytes"
+    assert sorted(ids) == list(range(n)), "not every sample exactly once"
+    return ids
+
+
+def cache_kw(base: Path | str, ram: int | str = "4MB", ssd: int | str = 0, **kw: Any) -> dict[str, Any]:
+    return {"ram_bytes": ram, "ssd_bytes": ssd, "ram_dir": str(Path(base) / "ram"), "ssd_dir": str(Path(base) / "ssd"),
+            **kw}
+
+
+def cache_config(base: Path | str, ram: int | str = "4MB", ssd: int | str = 0, **kw: Any) -> CacheConfig:
+    return CacheConfig(**cache_kw(base, ram, ssd, **kw))
+
+
+def files(d: str | Path) -> dict[str, int]:
+    """name -> size of the plain files in ``d`` (empty if it does not exist)."""
+    out = {}
+    try:
+        entries = list(os.scandir(d))
+    except FileNotFoundError:
+        return out
+    for e in entries:
+        try:
+            if e.is_file(follow_symlinks=False):
+                out[e.name] = e.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def leftovers(*dirs: str | Path) -> list[str]:
+    return [n for d in dirs for n in files(d) if n.startswith((".tmp-", ".pass-"))]
+
+
+def tree(root: str | Path) -> dict[str, tuple[int, int]]:
+    """relative path -> (size, mtime_ns) of everything under ``root`` (links not followed)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            out[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def in_child(fn: Callable[..., Any], *args: Any, timeout: float = 60) -> Any:
+    """Run ``fn(*args)`` in a forked child (a new process); return its result."""
+    q = FORK.Queue()
+
+    def main() -> None:
+        try:
+            q.put((None, fn(*args)))
+        except BaseException:
+            q.put((traceback.format_exc(), None))
+
+    p = FORK.Process(target=main, daemon=True)
+    p.start()
+    try:
+        err, out = q.get(timeout=timeout)
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    assert err is None, err
+    return out
+
+
+def epoch_json(spec: dict[str, Any]) -> dict[str, Any]:
+    """One epoch in this process as described by ``spec`` (see the module docstring)."""
+    from datacache import PrefetchConfig, StreamingDataset, TransferConfig
+
+    ds = StreamingDataset(spec["url"], storage_options=spec.get("opts"), cache=CacheConfig(**spec["cache"]),
+                          transfer=TransferConfig(**spec["transfer"]) if spec.get("transfer") else None,
+                          prefetch=PrefetchConfig(**spec["prefetch"]) if spec.get("prefetch") else None)
+    try:
+        ids, bad = check(ds, spec["size"])
+        return {"ids": ids, "bad": bad, "stats": ds.stats(), "reconciled": ds.cache.reconciled}
+    finally:
+        ds.close()
+        ds.cache.close()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    print(json.dumps(epoch_json(json.loads(sys.argv[1]))), flush=True)

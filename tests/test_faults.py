@@ -1,0 +1,360 @@
+"""Faults: nothing is lost and nothing escapes the cache when the store, a worker, the training
+process, the SSD or the bytes on disk fail. Real processes, a real S3 server (SeaweedFS) behind a
+fault-injecting proxy (tools/slowlink.py), real signals; every multi-process test has a timeout
+mark so a hang fails. See README "Reliability" for the table of cases.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.utils.data import DataLoader
+
+import _fault_helpers as H
+from datacache import (CacheConfig, NodeCache, PrefetchConfig, RetryConfig, StreamingDataset, TransferConfig,
+                       TransientStorageError)
+from datacache.index import Index
+from datacache.tiers import KeyLock, key_id
+from tools.s3server import SeaweedServer
+from tools.slowlink import SlowLink
+
+KB = 1 << 10
+SIZE = 8 * KB  # payload bytes per sample
+
+
+def data_dir(cache: NodeCache, tier: str = "ram") -> str:
+    return cache.tiers[tier].data_dir
+
+
+# --------------------------------------------------------------------------- the store dies
+@pytest.mark.timeout(150)
+def test_store_killed_mid_epoch_and_restarted_within_the_retry_window(tmp_path: Path) -> None:
+    # A dedicated server whose objects survive a restart (data_dir); it comes back on new ports, so
+    # the dataset talks to a proxy that is re-pointed at it: the endpoint never changes.
+    srv = SeaweedServer(bucket="datacache-faults", data_dir=str(tmp_path / "weed"))
+    srv.start()
+    link = SlowLink("127.0.0.1", srv.port, bandwidth=2e6, latency=0.0).start()
+    try:
+        opts = srv.storage_options(link.endpoint_url)
+        url = f"s3://{srv.bucket}/ds/"
+        n = 160
+        m = H.write(url, opts, n, SIZE, shard_bytes=8 * SIZE)
+        retry = RetryConfig(attempts=200, base_delay=0.05, max_delay=0.5, deadline=30)
+        ds = StreamingDataset(url, storage_options=opts, cache=H.cache_config(tmp_path / "c1", ram="1MB"),
+                              retry=retry, prefetch=PrefetchConfig(threads=2, lookahead_bytes=1, max_lookahead_bytes=1))
+        it = iter(ds)
+        got = [next(it) for _ in range(24)]
+
+        os.killpg(srv._proc.pid, signal.SIGKILL)  # the store dies mid-epoch
+        srv._proc.wait(10)
+
+        def restart() -> None:
+            time.sleep(1.0)
+            srv.stop()
+            srv.start()  # new ports, same objects
+            link.retarget("127.0.0.1", srv.port)
+
+        t = threading.Thread(target=restart, name="restart-store")
+        t.start()
+        got += list(it)
+        t.join(60)
+        H.assert_exactly_once(got, n, SIZE)
+        st = ds.stats()
+        assert st["storage_retries"] > 0, "the outage was never noticed"
+        assert st["fetches"] == len(m.shards) and st["corrupt"] == 0
+        ds.close()
+        ds.cache.close()
+
+        # Down past the window: bounded retries, then one clear error naming the object.
+        ds = StreamingDataset(url, storage_options=opts, cache=H.cache_config(tmp_path / "c2", ram="1MB"),
+                              retry=RetryConfig(attempts=4, base_delay=0.05, max_delay=0.2, deadline=5))
+        os.killpg(srv._proc.pid, signal.SIGKILL)
+        srv._proc.wait(10)
+        with pytest.raises(TransientStorageError) as info:
+            for _ in ds:
+                pass
+        err = info.value
+        assert err.url.startswith(url) and err.url.endswith(tuple(s.name for s in m.shards))
+        assert err.url in str(err) and "4 attempts" in str(err) and err.__cause__ is not None
+        assert ds.cache.entries() == [] and H.leftovers(data_dir(ds.cache)) == []
+        ds.close()
+        ds.cache.close()
+    finally:
+        link.stop()
+        srv.stop()
+
+
+# --------------------------------------------------------------------------- a worker dies
+def _worker_downloading(lock_dir: str, tmp_dir: str, pids: set[int], total: int) -> tuple[int, str] | None:
+    """(pid, key id) of a worker holding a key lock while its temp file is partly written."""
+    inodes = {}
+    for name in os.listdir(lock_dir):
+        try:
+            inodes[os.stat(os.path.join(lock_dir, name)).st_ino] = name.removesuffix(".lock")
+        except FileNotFoundError:
+            pass
+    with open("/proc/locks") as f:
+        for line in f:
+            parts = line.split()
+            if "->" in line or len(parts) < 6 or parts[1] != "FLOCK" or parts[3] != "WRITE":
+                continue
+            pid, ino = int(parts[4]), int(parts[5].split(":")[-1])
+            kid = inodes.get(ino)
+            if pid in pids and kid is not None:
+                size = H.files(tmp_dir).get(f".tmp-{kid}", 0)
+                if 0 < size < total:
+                    return pid, kid
+    return None
+
+
+def _epoch_in_new_process(url: str, opts: dict[str, Any], base: Path, key: str) -> tuple[list[int], int, str | None]:
+    ds = StreamingDataset(url, storage_options=opts, cache=H.cache_config(base, ram="4MB"))
+    ids, bad = H.check(ds, SIZE)
+    where = ds.cache.contains(key)
+    ds.close()
+    ds.cache.close()
+    return ids, bad, where
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_worker_killed_mid_download(s3_server: Any, make_s3_url: Any, slowlink: Any,
+                                              tmp_path: Path) -> None:
+    url, n = make_s3_url(), 64
+    m = H.write(url, s3_server.storage_options(), n, SIZE, shard_bytes=8 * SIZE)  # 8 shards of ~64 KB
+    link = slowlink(bandwidth=128e3)  # half a second per shard
+    opts = s3_server.storage_options(link.endpoint_url)
+    ds = StreamingDataset(url, storage_options=opts, cache=H.cache_config(tmp_path, ram="4MB"),
+                          transfer=TransferConfig(part_bytes=8 * KB, concurrency=2))
+    cache = ds.cache
+    loader = DataLoader(ds, batch_size=4, num_workers=2)
+    it = iter(loader)
+    pids = {w.pid for w in it._workers}
+    victim = H.wait_for(lambda: _worker_downloading(cache.lock_dir, data_dir(cache), pids, m.shards[0].bytes),
+                        60, "a worker mid-download")
+    os.kill(victim[0], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"DataLoader worker .*(exited unexpectedly|killed by signal)") as info:
+        for _ in it:
+            pass
+    traceback.clear_frames(info.value.__traceback__)  # free the iterator now, not in the cyclic GC
+    del info, it, loader
+
+    lock = KeyLock(cache.lock_dir, victim[1])
+    assert lock.acquire(blocking=False), "the dead worker's key lock is stuck"
+    lock.release()
+    dead_key = next(k for k in map(ds.manifest.cache_key, range(len(m.shards))) if key_id(k) == victim[1])
+    ids, bad, where = H.in_child(_epoch_in_new_process, url, opts, tmp_path, dead_key)
+    assert bad == 0 and sorted(ids) == list(range(n))
+    assert where == "ram"
+    assert H.leftovers(data_dir(cache)) == []
+    ds.close()
+    cache.close()
+
+
+# --------------------------------------------------------------------------- the training process dies
+@pytest.mark.timeout(120)
+def test_training_process_killed_while_writing_the_cache(s3_server: Any, make_s3_url: Any, slowlink: Any,
+                                                         tmp_path: Path) -> None:
+    url, n = make_s3_url(), 96
+    m = H.write(url, s3_server.storage_options(), n, SIZE, shard_bytes=8 * SIZE)  # 12 shards of ~64 KB
+    link = slowlink(bandwidth=256e3)
+    spec = {"url": url, "opts": s3_server.storage_options(link.endpoint_url), "n": n, "size": SIZE,
+            "cache": H.cache_kw(tmp_path, ram="4MB"), "transfer": {"part_bytes": 8 * KB, "concurrency": 2}}
+    ram_data = str(tmp_path / "ram" / "data")
+    proc = subprocess.Popen([sys.executable, H.HELPER, json.dumps(spec)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        def mid_write() -> bool:  # some entries committed, and one being written right now
+            f = H.files(ram_data)
+            return any(not k.startswith(".") for k in f) and any(k.startswith(".tmp-") and v for k, v in f.items())
+        H.wait_for(mid_write, 60, "the training process to be mid-write")
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    index = Index(str(tmp_path / "ssd" / "control"))  # what the dead process had committed
+    with index.read() as txn:
+        committed = [k for k, e in txn.items() if os.path.exists(os.path.join(ram_data, e.tiers["ram"]["file"]))]
+    index.close()
+    assert committed
+
+    spec["opts"] = s3_server.storage_options()
+    out = subprocess.run([sys.executable, H.HELPER, json.dumps(spec)], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert "reconciled cache at" in out.stderr and res["reconciled"]["partial"] >= 1
+    assert res["bad"] == 0 and sorted(res["ids"]) == list(range(n))
+    st = res["stats"]
+    assert st["corrupt"] == 0  # the survivors were re-hashed before being served, and all were whole
+    assert st["hits_ram"] == len(committed)  # and served; everything else was fetched again
+    assert st["fetches"] >= len(m.shards) - len(committed)
+    assert H.leftovers(ram_data) == []
+
+
+# --------------------------------------------------------------------------- the SSD fills up
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill_up(mnt: Path, leave: int) -> None:
+    """Another program takes the file system's space, all but ``leave`` bytes."""
+    st = os.statvfs(mnt)
+    with open(mnt / "someone-elses-file", "wb") as f:
+        f.truncate(0)
+        f.write(bytes(max(0, st.f_bavail * st.f_frsize - leave)))
+
+
+def _warnings(caplog: pytest.LogCaptureFixture, word: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and word in r.getMessage()]
+
+
+@pytest.mark.timeout(120)
+def test_ssd_fills_up_mid_epoch_degrades_to_pass_through(small_tmpfs: Path, tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="datacache")
+    url, n = f"file://{tmp_path}/ds", 160
+    m = H.write(url, None, n, SIZE, shard_bytes=8 * SIZE)  # 20 shards of ~66 KB
+    # RAM tier smaller than a shard (never admits one; pass-through files live there), SSD budget
+    # far beyond the 24 MB file system: shrunk at open with one warning.
+    cfg = H.cache_config(tmp_path, ram="32KB", ssd="1GB", ssd_dir=str(small_tmpfs / "ssd"))
+    ds = StreamingDataset(url, cache=cfg)
+    assert ds.cache.ssd.enabled and ds.cache.ssd.budget < 24 << 20
+    assert len(_warnings(caplog, "shrunk")) == 1
+    _fill_up(small_tmpfs, leave=200 * KB)  # room for two or three shards, then ENOSPC
+    H.assert_exactly_once(ds, n, SIZE)
+    assert len(_warnings(caplog, "ssd tier disabled")) == 1
+    st = ds.stats()
+    assert st["bypassed"] > 0 and st["fetches"] == len(m.shards) and st["budget_ssd"] == 0
+    ds.set_epoch(1)
+    H.assert_exactly_once(ds, n, SIZE)  # and keeps working: SSD hits where it had room, pass-through else
+    assert len(_warnings(caplog, "disabled")) == 1 and len(_warnings(caplog, "shrunk")) == 1
+    assert H.leftovers(data_dir(ds.cache), data_dir(ds.cache, "ssd")) == []
+    ds.close()
+    ds.cache.close()
+
+
+@pytest.mark.timeout(60)
+def test_ssd_full_and_no_ram_tier_is_one_clear_cache_error(small_tmpfs: Path, tmp_path: Path) -> None:
+    from datacache import CacheError
+
+    url = f"file://{tmp_path}/ds"
+    H.write(url, None, 40, SIZE, shard_bytes=8 * SIZE)
+    ds = StreamingDataset(url, cache=H.cache_config(tmp_path, ram=0, ssd="1GB", ssd_dir=str(small_tmpfs / "ssd")))
+    _fill_up(small_tmpfs, leave=20 * KB)
+    with pytest.raises(CacheError, match="no space left") as info:
+        list(ds)
+    assert info.value.url == data_dir(ds.cache, "ssd") and isinstance(info.value.__cause__, OSError)
+    assert H.leftovers(data_dir(ds.cache, "ssd")) == []
+    ds.close()
+    ds.cache.close()
+
+
+# --------------------------------------------------------------------------- a cached file rots
+def _flip_a_byte(cache: NodeCache, key: str) -> str:
+    entry = dict(cache.entries())[key]
+    tier, rec = next(iter(entry.tiers.items()))
+    path = cache.tiers[tier].file_path(rec["file"])
+    with open(path, "r+b") as f:
+        f.seek(entry.size // 2)
+        b = f.read(1)
+        f.seek(entry.size // 2)
+        f.write(bytes([b[0] ^ 0x5A]))
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_corrupt_cache_file_is_refetched_with_verify_always(tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="datacache")
+    url, n = f"file://{tmp_path}/ds", 80
+    m = H.write(url, None, n, SIZE, shard_bytes=8 * SIZE)
+    ds = StreamingDataset(url, cache=H.cache_config(tmp_path, ram="4MB", verify="always"))
+    H.assert_exactly_once(ds, n, SIZE)
+    path = _flip_a_byte(ds.cache, ds.manifest.cache_key(3))
+    ds.set_epoch(1)
+    H.assert_exactly_once(ds, n, SIZE)  # in the same process: hashed before every serve
+    st = ds.stats()
+    assert st["corrupt"] == 1 and st["fetches"] == len(m.shards) + 1
+    assert not os.path.exists(path) and ds.cache.contains(ds.manifest.cache_key(3)) == "ram"
+    assert len(_warnings(caplog, "failed verification")) == 1
+    ds.close()
+    ds.cache.close()
+
+
+@pytest.mark.timeout(90)
+def test_corrupt_cache_file_is_refetched_after_a_restart(tmp_path: Path) -> None:
+    url, n = f"file://{tmp_path}/ds", 80
+    m = H.write(url, None, n, SIZE, shard_bytes=8 * SIZE)
+    spec = {"url": url, "n": n, "size": SIZE, "cache": H.cache_kw(tmp_path, ram="4MB")}  # verify="first"
+    ds = StreamingDataset(url, cache=CacheConfig(**spec["cache"]))
+    H.assert_exactly_once(ds, n, SIZE)
+    path = _flip_a_byte(ds.cache, ds.manifest.cache_key(5))
+    ds.close()
+    ds.cache.close()
+    res = H.in_child(H.epoch_json, spec)  # a new process: a new verification token
+    assert res["bad"] == 0 and sorted(res["ids"]) == list(range(n))
+    st = res["stats"]
+    assert st["corrupt"] == 1 and st["fetches"] == len(m.shards) + 1 and st["hits_ram"] == len(m.shards) - 1
+    assert not os.path.exists(path)
+
+
+# --------------------------------------------------------------------------- the network misbehaves
+FAULTS = {
+    "503-every-4th": dict(fail_every=4),
+    "reset-every-3rd": dict(reset_every=3),
+    "latency-spikes": dict(latency_spike=(5, 1.5)),  # beyond the 0.5 s read timeout below
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_transient_faults_are_retried_and_the_epoch_is_exact(fault: str, s3_server: Any, make_s3_url: Any,
+                                                            slowlink: Any, tmp_path: Path) -> None:
+    url, n = make_s3_url(), 96
+    m = H.write(url, s3_server.storage_options(), n, SIZE, shard_bytes=8 * SIZE)  # 12 shards of ~64 KB
+    link = slowlink(**FAULTS[fault])
+    ds = StreamingDataset(url, storage_options=s3_server.storage_options(link.endpoint_url),
+                          cache=H.cache_config(tmp_path, ram="4MB"),
+                          transfer=TransferConfig(part_bytes=16 * KB, concurrency=2, timeout=0.5),
+                          retry=RetryConfig(attempts=12, base_delay=0.01, max_delay=0.1, deadline=30))
+    got = list(DataLoader(ds, batch_size=None, num_workers=2))
+    H.assert_exactly_once(got, n, SIZE)
+    st = ds.stats()
+    assert link.injected > 0 and st["storage_retries"] > 0
+    assert st["fetches"] == len(m.shards) and st["remote_bytes"] == m.total_bytes  # each shard once
+    ds.close()
+    ds.cache.close()
+
+
+# --------------------------------------------------------------------------- load
+@pytest.mark.timeout(120)
+def test_stress_tool_runs_clean_for_10_seconds() -> None:
+    """tools/stress.py: 4 processes x 8 threads through one cache smaller than the data, every read
+    checked byte for byte; the full 60 s run's figures are in README "Reliability"."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "tools" / "stress.py"), "--seconds", "10"],
+                         capture_output=True, text=True, timeout=100, cwd=root)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "errors: 0" in out.stdout.splitlines() and "reads/s" in out.stdout
+    reads = int(next(line for line in out.stdout.splitlines() if line.startswith("reads:")).split()[1])
+    fetches = int(next(line for line in out.stdout.splitlines() if line.startswith("fetches:")).split()[1])
+    assert reads > 0 and fetches > 64  # budgets below the data: keys were evicted and fetched again
