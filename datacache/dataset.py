@@ -16,6 +16,7 @@ be called from the training loop.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -30,11 +31,13 @@ from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
 from .dist import DistInfo, detect
 from .manifest import Manifest, load_manifest
 from .plan import DEFAULT_WINDOW, PlanSpec, build_plan, remainder_order
+from .prefetch import Prefetcher
 from .storage import Store, open_store
 
 __all__ = ["StreamingDataset"]
 
 _STATE_VERSION = 1
+_BATCH_AHEAD = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=2, max_lookahead_bytes=2, adaptive=False)
 
 
 def _shared_int() -> torch.Tensor:
@@ -183,19 +186,34 @@ class StreamingDataset(tud.IterableDataset):
 
     def _emit(self, consumer: Consumer) -> Iterator[Any]:
         transform = self.transform
+        self._delivered: int | None = None
         if self.batch_size is None:
             for sample in consumer:
                 yield transform(sample) if transform else sample
             self._flush_stats(consumer)
             return
-        batch: list[Any] = []
-        for sample in consumer:
-            batch.append(transform(sample) if transform else sample)
-            if len(batch) == self.batch_size:
-                yield self.collate_fn(batch)
-                batch = []
-        if batch:
-            yield self.collate_fn(batch)
+        # Batched mode: a batcher thread collates the next batches while this one is used, so the
+        # training loop only ever takes a ready batch. ``_delivered`` is the plan position after the
+        # last batch handed out (what state_dict must record, not what the batcher has read).
+        samples = iter(consumer)
+        size = self.batch_size
+
+        def make_batch(_: int) -> tuple[Any, int] | None:
+            batch = [transform(s) if transform else s for s in itertools.islice(samples, size)]
+            return (self.collate_fn(batch), consumer.consumed) if batch else None
+
+        total = -(-max(len(consumer.plan) - consumer.skip, 0) // size)
+        batcher: Prefetcher[int, Any] = Prefetcher(range(total), make_batch, config=_BATCH_AHEAD,
+                                                   name=f"{consumer.prefetcher.name}-batch")
+        self._delivered = consumer.skip
+        try:
+            for item in batcher:
+                if item is None:
+                    break
+                self._delivered = item[1]
+                yield item[0]
+        finally:
+            batcher.close()
         self._flush_stats(consumer)
 
     def _flush_stats(self, consumer: Consumer) -> None:
@@ -236,7 +254,8 @@ class StreamingDataset(tud.IterableDataset):
             if base["dp_size"] != self.dp_size or base["num_workers"] != num_workers:
                 chain.append({k: base[k] for k in ("dp_size", "num_workers", "consumed")})
         if self._consumer is not None and self._consumer.epoch == self.epoch:
-            consumed[worker_id] = self._consumer.consumed
+            delivered = getattr(self, "_delivered", None)
+            consumed[worker_id] = self._consumer.consumed if delivered is None else delivered
         return {"version": _STATE_VERSION, "epoch": self.epoch, "seed": self.seed, "dataset_id": self.manifest.dataset_id,
                 "dp_size": self.dp_size, "num_workers": num_workers, "worker_id": worker_id,
                 "consumed": consumed, "chain": chain}
