@@ -239,11 +239,14 @@ def test_ssd_fills_up_mid_epoch_degrades_to_pass_through(small_tmpfs: Path, tmp_
     ds = StreamingDataset(url, cache=cfg)
     assert ds.cache.ssd.enabled and ds.cache.ssd.budget < 24 << 20
     assert len(_warnings(caplog, "shrunk")) == 1
-    _fill_up(small_tmpfs, leave=200 * KB)  # room for two or three shards, then ENOSPC
+    # Room for about three shards, then ENOSPC mid-shard; what that partial file held is freed
+    # again, which leaves the cache index (on the same file system) a few pages to grow into.
+    _fill_up(small_tmpfs, leave=3 * m.shards[0].bytes + 48 * KB)
     H.assert_exactly_once(ds, n, SIZE)
     assert len(_warnings(caplog, "ssd tier disabled")) == 1
     st = ds.stats()
-    assert st["bypassed"] > 0 and st["fetches"] == len(m.shards) and st["budget_ssd"] == 0
+    assert st["entries_ssd"] >= 1 and st["bypassed"] > 0  # filled up mid-epoch
+    assert st["fetches"] == len(m.shards) and st["budget_ssd"] == 0
     ds.set_epoch(1)
     H.assert_exactly_once(ds, n, SIZE)  # and keeps working: SSD hits where it had room, pass-through else
     assert len(_warnings(caplog, "disabled")) == 1 and len(_warnings(caplog, "shrunk")) == 1

@@ -15,8 +15,8 @@ the slow link (``tools/slowlink.py``: per-request latency, one bandwidth cap sha
 connection, bytes metered at the proxy), writes the same samples in each system's own format
 (straight to the server, never across the link), then for each repetition runs every scenario for
 every system in turn (the system order rotated per repetition), each (system, scenario, rep) in a
-fresh process with a fresh cache directory in /dev/shm. Scenarios (defaults; ``--quick`` = 1/10
-sizes, smaller shards, 1 rep):
+fresh process with fresh cache directories (RAM tier and peers' local caches in /dev/shm, datacache's
+SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets, 1 rep):
 
 - cold: D = 500 MB of 64 KiB samples in 16 MB shards, batch 32, 2 workers, 20 ms of compute per
   batch (sleep), empty cache.  warm: a fill epoch, then the measured epoch from the full cache.
@@ -65,16 +65,16 @@ RUNNER = os.path.join(ROOT, "tools", "bench_systems.py")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (datasets persist in DIR/s3)")
-    p.add_argument("--quick", action="store_true", help="1/10 sizes, 1 rep: about 5 minutes")
+    p.add_argument("--quick", action="store_true", help="160 MB (small: 20 MB), 1 rep: about 5 minutes")
     p.add_argument("--scenario", default=",".join(SCENARIOS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--variants", default="default,tuned", help="peer settings to run: default, tuned or both")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
-    p.add_argument("--size", help="dataset size (default 500MB; 50MB with --quick)")
+    p.add_argument("--size", help="dataset size (default 500MB; 160MB with --quick)")
     p.add_argument("--small-size", help="1 KiB-sample dataset size (default 100MB; 20MB with --quick)")
     p.add_argument("--sample-bytes", default="64KiB")
     p.add_argument("--small-sample-bytes", default="1KiB")
-    p.add_argument("--shard-bytes", help="default 16MB; 4MB with --quick")
+    p.add_argument("--shard-bytes", help="default 16MB")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--small-batch-size", type=int, default=256)
     p.add_argument("--workers", type=int, default=2)
@@ -86,9 +86,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     q = a.quick
     a.reps = a.reps or (1 if q else 3)
-    a.size = parse_size(a.size or ("50MB" if q else "500MB"))
+    # --quick keeps the 16 MB shards: Streaming needs cache_limit >= 4 shards, and its default
+    # predownload (8 x batch samples per worker) must fit in C = D/2 as it does at full size, or the
+    # quick run would measure a thrash that the full run does not have.
+    a.size = parse_size(a.size or ("160MB" if q else "500MB"))
     a.small_size = parse_size(a.small_size or ("20MB" if q else "100MB"))
-    a.shard_bytes = parse_size(a.shard_bytes or ("4MB" if q else "16MB"))
+    a.shard_bytes = parse_size(a.shard_bytes or "16MB")
     a.sample_bytes, a.small_sample_bytes = parse_size(a.sample_bytes), parse_size(a.small_sample_bytes)
     a.bandwidth = float(parse_size(a.bandwidth))
     a.scenarios = [s for s in a.scenario.split(",") if s]
@@ -257,7 +260,8 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
             "litdata_options": {"endpoint_url": link.endpoint_url, "aws_access_key_id": opts["key"],
                                 "aws_secret_access_key": opts["secret"], "region_name": "us-east-1"},
             "cache_dir": cache_dir, "ssd_dir": cache_dir.replace("/dev/shm", a.tmp, 1) + "-ssd", "meter_url": ctx["meter"].url,
-            "samples_per_shard": max(1, a.shard_bytes // info["sample_bytes"]),
+            "samples_per_shard": max(1, a.shard_bytes // info["sample_bytes"]), "sample_bytes": info["sample_bytes"],
+            "max_epoch_bytes": 8 * D,
             "env": {"S3_ENDPOINT_URL": link.endpoint_url, "AWS_ACCESS_KEY_ID": opts["key"],
                     "AWS_SECRET_ACCESS_KEY": opts["secret"], "AWS_DEFAULT_REGION": "us-east-1"}}
     wrap = None

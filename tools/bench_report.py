@@ -34,6 +34,9 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
         return {"failed": " ".join(why.split())}
     m = [r for r in recs if r["phase"] == "measured"]
     sc, D, C = r0["scenario"], r0["D"], r0["C"]
+    bad = next((r for r in recs if "aborted" in r), None)
+    if bad is not None:
+        return {"failed": f"aborted in epoch {bad['epoch'] + 1}: {bad['aborted']}", "aborted": True}
     wall = sum(r["wall"] for r in m)
     link = sum(_needed_bytes(sc, i, D, C) for i in range(len(m))) / r0["bandwidth"]
     compute = sum(r["compute"] for r in m)
@@ -43,7 +46,7 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
         remote = [r0["run_remote_bytes"]]  # the whole process: dataset open + epoch
     samples = sum(r["samples"] for r in m)
     return {"wall": wall, "wait_pct": 100 * sum(r["wait"] for r in m) / wall, "remote": remote,
-            "samples_s": samples / wall, "samples": samples, "gb_s": samples * r0["sample_bytes"] / wall / 1e9,
+            "samples_s": samples / wall, "samples": samples, "first_batch": m[0].get("first_batch") or 0.0, "gb_s": samples * r0["sample_bytes"] / wall / 1e9,
             "memcpy_gb_s": r0["memcpy_rate"] / 1e9, "link": link, "compute": compute, "memcpy": memcpy,
             "bound": max(link, compute, memcpy), "D": D, "C": C}
 
@@ -60,7 +63,7 @@ def medians(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, An
     for key, sums in by.items():
         ok = [s for s in sums if "failed" not in s]
         if not ok:
-            out[key] = {"failed": sums[0]["failed"], "reps": 0}
+            out[key] = {"failed": sums[0]["failed"], "aborted": any(s.get("aborted") for s in sums), "reps": 0}
             continue
         med = {k: statistics.median(s[k] for s in ok) for k in ok[0] if isinstance(ok[0][k], (int, float))}
         med["remote"] = [statistics.median(s["remote"][i] for s in ok) for i in range(len(ok[0]["remote"]))]
@@ -101,6 +104,8 @@ def targets(sc: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> st
             best = min(p["wall"] for p in fam)
             checks.append((dc["wall"] < best, f"{'ahead of' if dc['wall'] < best else 'behind'} {family} "
                                               f"({best / dc['wall']:.2f}x)"))
+        elif any(p.get("aborted") for name, p in peers.items() if name.split("+")[0] == family):
+            checks.append((True, f"ahead of {family} (thrashed)"))
         else:
             checks.append((True, f"{family} n/a"))
     ok = all(c for c, _ in checks)
@@ -108,15 +113,15 @@ def targets(sc: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> st
 
 
 def table(meds: dict[tuple[str, str], dict[str, Any]], scenarios: list[str]) -> str:
-    rows = ["| scenario | system | wall s | wait % | remote MB | samples | throughput | bound s | wall / bound "
-            "| datacache target |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| scenario | system | wall s | wait % | first batch s | remote MB | samples | throughput | bound s "
+            "| wall / bound | datacache target |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for sc in scenarios:
         systems = sorted({s for (c, s) in meds if c == sc}, key=lambda s: ORDER.index(s) if s in ORDER else 99)
         peers = {s: meds[(sc, s)] for s in systems if s.split("+")[0] in PEERS}
         for s in systems:
             m = meds[(sc, s)]
             if "failed" in m:
-                rows.append(f"| {sc} | {s} | {m['failed'][:160]} | | | | | | | |")
+                rows.append(f"| {sc} | {s} | {m['failed'][:160]} | | | | | | | | |")
                 continue
             remote = " / ".join(f"{b / 1e6:.1f}" for b in m["remote"])
             thr = f"{m['samples_s']:,.0f} samples/s" if sc == "small" else \
@@ -124,8 +129,8 @@ def table(meds: dict[tuple[str, str], dict[str, Any]], scenarios: list[str]) -> 
                 f"{m['samples_s']:,.0f} samples/s"
             tgt = targets(sc, m, peers) if s == "datacache" else ""
             ratio = f"{m['wall'] / m['bound']:.2f}" if m["bound"] > 0 else "-"
-            rows.append(f"| {sc} | {s} | {m['wall']:.2f} | {m['wait_pct']:.1f} | {remote} | {m['samples']:,.0f} | {thr} | "
-                        f"{m['bound']:.2f} | {ratio} | {tgt} |")
+            rows.append(f"| {sc} | {s} | {m['wall']:.2f} | {m['wait_pct']:.1f} | {m['first_batch']:.2f} | {remote} | "
+                        f"{m['samples']:,.0f} | {thr} | {m['bound']:.2f} | {ratio} | {tgt} |")
     return "\n".join(rows)
 
 
@@ -212,8 +217,8 @@ def progress_line(recs: list[dict[str, Any]]) -> str:
     if "failed" in s:
         return f"{head} {s['failed'][:300]}"
     remote = "/".join(f"{b / 1e6:.1f}" for b in s["remote"])
-    return (f"{head} wall {s['wall']:.2f} s (bound {s['bound']:.2f}), wait {s['wait_pct']:.1f}%, remote {remote} MB, "
-            f"{s['samples_s']:,.0f} samples/s")
+    return (f"{head} wall {s['wall']:.2f} s (bound {s['bound']:.2f}), wait {s['wait_pct']:.1f}% (first batch "
+            f"{s['first_batch']:.2f} s), remote {remote} MB, {s['samples_s']:,.0f} samples/s")
 
 
 def summarize_profile(base: str, top: int = 25) -> str:

@@ -13,7 +13,8 @@ Systems (each with its defaults; ``tuned`` changes the one documented setting):
 - ``datacache``: ``StreamingDataset`` + ``DataLoader(persistent_workers=True)``; in the ``fast``
   scenarios (small, raw) its batched mode ``StreamingDataset(batch_size=B)`` + ``batch_size=None``.
 - ``streaming`` (mosaicml-streaming): MDS shards (``MDSWriter``, no compression), S3 through boto3
-  (``S3_ENDPOINT_URL``); tuned: ``predownload`` = 4 shards of samples per worker (default 8 x batch).
+  (``S3_ENDPOINT_URL``); tuned: ``predownload`` = 4 shards of samples per worker (default 8 x batch),
+  capped with a cache limit C so that all the node's workers predownload at most C/2.
   It imports ``torchvision`` (for ``streaming.vision``) and ``transformers`` (three names used in
   isinstance checks and the text datasets) at import time; neither is used by ``StreamingDataset``
   or ``MDSWriter``, and PyPI's torchvision does not import beside this torch build, so this runner
@@ -186,8 +187,11 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
 
         clean_stale_shared_memory()
         kw: dict[str, Any] = {}
-        if spec["variant"] == "tuned":
+        if spec["variant"] == "tuned":  # 4 shards ahead per worker, all the node's within C/2
             kw["predownload"] = 4 * spec["samples_per_shard"]
+            if C:
+                per_worker = C // 2 // (workers * sc["ranks"]) // max(spec["sample_bytes"], 1)
+                kw["predownload"] = max(bs, min(kw["predownload"], per_worker))
         if C:
             kw["cache_limit"] = C
         ds = streaming.StreamingDataset(remote=spec["url"], local=os.path.join(cache_dir, "local"), shuffle=True,
@@ -262,11 +266,14 @@ def _batch_len(batch: Any) -> int:
     return len(v)
 
 
-def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[], None]) -> dict[str, Any]:
+def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[], None],
+              max_bytes: float = float("inf")) -> dict[str, Any]:
+    """One epoch: wall, data wait (time in ``next``, worker start-up included), remote bytes at the
+    proxy. Stops early ("aborted") once the epoch has pulled more than ``max_bytes`` (thrashing)."""
     barrier()
     m0 = meter(meter_url)
     t0 = time.perf_counter()
-    wait = 0.0
+    wait, first, aborted = 0.0, None, None
     batches = samples = 0
     it = None
     while True:
@@ -278,17 +285,23 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
         except StopIteration:
             break
         wait += time.perf_counter() - ta
+        first = time.perf_counter() - t0 if first is None else first
         samples += _batch_len(batch)
         batches += 1
         if compute:
             time.sleep(compute)  # the simulated training step
+        if batches % 16 == 0 and max_bytes < float("inf"):
+            pulled = meter(meter_url)["bytes_down"] - m0["bytes_down"]
+            if pulled > max_bytes:
+                aborted = f"stopped after {batches} batches: {pulled / 1e6:.0f} MB pulled this epoch (thrashing)"
+                break
     own = time.perf_counter() - t0
     barrier()
     wall = time.perf_counter() - t0  # the node's wall: until the last rank is done
     m1 = meter(meter_url)
-    return {"wall": wall, "own_wall": own, "wait": wait, "compute": batches * compute, "batches": batches,
-            "samples": samples, "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
-            "requests": m1["requests"] - m0["requests"]}
+    return {"wall": wall, "own_wall": own, "wait": wait, "first_batch": first, "compute": batches * compute,
+            "batches": batches, "samples": samples, "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
+            "requests": m1["requests"] - m0["requests"], **({"aborted": aborted} if aborted else {})}
 
 
 def _profiler(spec: dict[str, Any]) -> Any:
@@ -316,11 +329,14 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
             measured = phase == "measured"
             if prof is not None and measured:
                 prof.start()
-            rec = run_epoch(loader, sc["compute"] if measured else 0.0, spec["meter_url"], barrier)
+            rec = run_epoch(loader, sc["compute"] if measured else 0.0, spec["meter_url"], barrier,
+                            spec.get("max_epoch_bytes") or float("inf"))
             if prof is not None and measured:
                 prof.stop()
             rec.update(epoch=e, phase=phase, stats=_jsonable(stats()))
             records.append(rec)
+            if "aborted" in rec:
+                break
     finally:
         close()
     if prof is not None:
