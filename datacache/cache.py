@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -112,6 +113,7 @@ class NodeCache:
         self.control_dir = self._pick_control_dir()
         self.lock_dir = ensure_private_dir(os.path.join(self.control_dir, "locks"))
         self.pass_dir = self._pick_pass_dir()
+        self._pass_lock = threading.Lock()
         self.index = Index(self.control_dir)
         self._node_fd, self.token, self.reconciled = _reconcile.open_node(self)
         self._closed = False
@@ -132,6 +134,29 @@ class NodeCache:
             if tier.enabled:
                 return tier.data_dir
         return ensure_private_dir(os.path.join(self.control_dir, "pass"))
+
+    def _spare_pass_dir(self, failed_dir: str, exc: OSError) -> bool:
+        """Move pass-through copies to a private dir on another file system (``/dev/shm`` or the temp
+        dir) after ENOSPC in ``failed_dir``; False when there is none left to try. Thread-safe."""
+        with self._pass_lock:
+            if self.pass_dir != failed_dir:
+                return True  # another thread already moved them
+            return self._move_pass_dir(exc)
+
+    def _move_pass_dir(self, exc: OSError) -> bool:
+        for base in ("/dev/shm", tempfile.gettempdir()):
+            path = os.path.join(base, f"datacache-pass-{os.getuid()}")
+            if not os.path.isdir(base) or os.path.realpath(path) == os.path.realpath(self.pass_dir):
+                continue
+            if os.path.exists(self.pass_dir) and os.stat(base).st_dev == os.stat(self.pass_dir).st_dev:
+                continue
+            try:
+                self.pass_dir = ensure_private_dir(path)
+            except OSError:
+                continue
+            log.warning("datacache: no space for pass-through copies (%s); using %s and continuing", exc, path)
+            return True
+        return False
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         """Swap the eviction policy (e.g. when a dataset learns its future access order)."""
@@ -240,6 +265,8 @@ class NodeCache:
                 if tier is not None and exc.errno in NO_SPACE_ERRNOS:
                     tier.disable(f"no space left ({exc})")
                     continue
+                if exc.errno in NO_SPACE_ERRNOS and self._spare_pass_dir(os.path.dirname(tmp), exc):
+                    return self._fill(key, fetch, size, digest)
                 if exc.errno in NO_SPACE_ERRNOS:  # not even a private pass-through copy fits
                     raise CacheError(f"no space left for a pass-through copy of {key} ({exc})", url=self.pass_dir,
                                      hint="Free space there, or give the cache a RAM tier (ram_bytes) on another "

@@ -256,17 +256,19 @@ def test_ssd_fills_up_mid_epoch_degrades_to_pass_through(small_tmpfs: Path, tmp_
 
 
 @pytest.mark.timeout(60)
-def test_ssd_full_and_no_ram_tier_is_one_clear_cache_error(small_tmpfs: Path, tmp_path: Path) -> None:
-    from datacache import CacheError
-
-    url = f"file://{tmp_path}/ds"
-    H.write(url, None, 40, SIZE, shard_bytes=8 * SIZE)
+def test_ssd_full_and_no_ram_tier_continues_through_a_spare_pass_dir(small_tmpfs: Path, tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """No RAM tier and the SSD's file system full: pass-through copies move to a private dir on
+    another file system (/dev/shm or the temp dir) with one warning, and the epoch completes."""
+    caplog.set_level(logging.WARNING, logger="datacache")
+    url, n = f"file://{tmp_path}/ds", 40
+    H.write(url, None, n, SIZE, shard_bytes=8 * SIZE)
     ds = StreamingDataset(url, cache=H.cache_config(tmp_path, ram=0, ssd="1GB", ssd_dir=str(small_tmpfs / "ssd")))
     _fill_up(small_tmpfs, leave=20 * KB)
-    with pytest.raises(CacheError, match="no space left") as info:
-        list(ds)
-    assert info.value.url == data_dir(ds.cache, "ssd") and isinstance(info.value.__cause__, OSError)
-    assert H.leftovers(data_dir(ds.cache, "ssd")) == []
+    H.assert_exactly_once(ds, n, SIZE)
+    assert ds.cache.pass_dir != data_dir(ds.cache, "ssd")
+    assert sum("pass-through" in r.getMessage() for r in caplog.records) == 1
+    assert H.leftovers(data_dir(ds.cache, "ssd")) == [] and H.leftovers(ds.cache.pass_dir) == []
     ds.close()
     ds.cache.close()
 
