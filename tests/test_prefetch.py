@@ -1,0 +1,129 @@
+"""The Prefetcher primitive: order, back-pressure, adaptation, errors with tracebacks, shutdown;
+and the dataset-level promise that a consumer slower than its link waits only for the first shard."""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+from datacache import CacheConfig, PrefetchConfig, StreamingDataset, write_dataset
+from datacache.prefetch import Prefetcher
+
+
+def test_results_come_in_order_whatever_the_completion_order() -> None:
+    rng = np.random.default_rng(0)
+    delays = rng.random(40) * 0.005
+    p = Prefetcher(range(40), lambda i: (time.sleep(delays[i]), i * i)[1],
+                   config=PrefetchConfig(threads=4, lookahead_bytes=8, adaptive=False))
+    assert list(p) == [i * i for i in range(40)]
+    p.close()
+
+
+def test_back_pressure_bounds_started_but_untaken_bytes() -> None:
+    """Invariant: bytes started and not yet taken <= lookahead, except the consumer's next item."""
+    lock = threading.Lock()
+    started: list[int] = []
+    taken = [0]
+    worst = [0]
+    sizes = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3] * 3
+
+    def load(i: int) -> int:
+        with lock:
+            started.append(i)
+            outstanding = sum(sizes[j] for j in started if j >= taken[0])
+            if len(started) - 1 > taken[0]:  # not only the consumer's next item
+                worst[0] = max(worst[0], outstanding)
+        return i
+
+    p = Prefetcher(range(len(sizes)), load, size_of=lambda i: sizes[i],
+                   config=PrefetchConfig(threads=4, lookahead_bytes=10, max_lookahead_bytes=10, adaptive=False))
+    for i in range(len(sizes)):
+        time.sleep(0.002)  # a slow consumer: the pool runs as far ahead as the budget allows
+        assert p.take() == i
+        with lock:
+            taken[0] = i + 1
+    assert worst[0] <= 10
+    p.close()
+
+
+def test_an_item_bigger_than_the_budget_still_flows() -> None:
+    p = Prefetcher(range(5), lambda i: i, size_of=lambda i: 100,
+                   config=PrefetchConfig(threads=2, lookahead_bytes=10, max_lookahead_bytes=10, adaptive=False))
+    assert list(p) == list(range(5))
+
+
+def test_waiting_consumer_raises_concurrency_and_calm_one_lowers_it() -> None:
+    cfg = PrefetchConfig(threads=1, max_threads=6, lookahead_bytes=2, max_lookahead_bytes=20)
+    slow = Prefetcher(range(12), lambda i: (time.sleep(0.01), i)[1], size_of=lambda i: 1, config=cfg)
+    list(slow)
+    assert slow.waits > 0 and slow.active_threads > 1 and slow.lookahead > 2
+    fast = Prefetcher(range(200), lambda i: i, size_of=lambda i: 1, config=cfg)
+    fast._active, fast.lookahead = 6, 20  # as if it had grown
+    for _ in fast:
+        time.sleep(0.002)  # the consumer is the bottleneck: results are always ready
+    assert fast.active_threads == cfg.threads and fast.lookahead == cfg.lookahead_bytes
+    slow.close()
+    fast.close()
+
+
+def test_load_error_reaches_the_consumer_with_its_traceback() -> None:
+    def load(i: int) -> int:
+        if i == 3:
+            raise KeyError("boom at 3")
+        return i
+
+    p = Prefetcher(range(6), load, config=PrefetchConfig(threads=3, adaptive=False), name="tprefetch")
+    got = [p.take() for _ in range(3)]
+    with pytest.raises(KeyError, match="boom at 3") as info:
+        p.take()
+    assert got == [0, 1, 2]
+    frames = "".join(traceback.format_tb(info.value.__traceback__))
+    assert "in load" in frames  # the prefetch thread's frame is in the traceback
+    p.close()
+
+
+def test_close_is_idempotent_releases_results_and_never_hangs() -> None:
+    released: list[int] = []
+    gate = threading.Event()
+
+    def load(i: int) -> int:
+        if i >= 4:
+            gate.wait(5)
+        return i
+
+    p = Prefetcher(range(50), load, release=released.append,
+                   config=PrefetchConfig(threads=4, lookahead_bytes=8, adaptive=False), name="tclose")
+    assert p.take() == 0
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    p.close(timeout=1.0)
+    p.close()
+    gate.set()
+    assert time.monotonic() - t0 < 5
+    assert set(released) <= set(range(1, 50)) and {1, 2, 3} <= set(released)
+    assert all(t.name.startswith("tclose-") for t in p._threads)
+    with pytest.raises(RuntimeError):
+        p.take()
+
+
+@pytest.mark.timeout(120)
+def test_consumer_slower_than_its_link_waits_only_for_the_first_shard(tmp_path, s3_server, slowlink) -> None:
+    """The link (100 MB/s) is ~10x faster than consumption: after the first shard, no wait."""
+    url = f"s3://{s3_server.bucket}/prefetch-{tmp_path.name}/"
+    samples = ({"i": i, "x": np.zeros(16_000, np.uint8)} for i in range(640))
+    m = write_dataset(samples, url, storage_options=s3_server.storage_options(), shard_bytes=1_000_000, progress=False)
+    link = slowlink(bandwidth=100e6, latency=0.002)
+    cfg = CacheConfig(ram_bytes="64MB", ssd_bytes=0, ram_dir=str(tmp_path / "ram"), ssd_dir=str(tmp_path / "ssd"))
+    ds = StreamingDataset(url, storage_options=s3_server.storage_options(link.endpoint_url), cache=cfg, shuffle=False)
+    it = iter(ds)
+    next(it)
+    first_waits = ds._consumer.decoder.waits
+    for _ in it:
+        time.sleep(0.002)  # 2 ms per 16 KB sample: 8 MB/s of consumption against 100 MB/s of link
+    assert first_waits <= 1
+    assert ds.stats()["waits"] == first_waits  # the epoch's waits, flushed at its end: none after the first
+    assert link.bytes_down >= m.total_bytes
+    ds.close()
