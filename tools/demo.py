@@ -93,7 +93,7 @@ def run_epoch(ds: Any, loader: Any, epoch: int, step: Any, meter: Any) -> dict[s
     waits, computes = [], []
     remote0 = meter()
     t_start = time.perf_counter()
-    bar = tqdm(total=len(ds) // loader.batch_size + 1, desc=f"epoch {epoch}", unit="batch", dynamic_ncols=True)
+    bar = tqdm(total=-(-len(ds) // loader.batch_size), desc=f"epoch {epoch + 1}", unit="batch", dynamic_ncols=True)
     it = iter(loader)
     samples = 0
     while True:
