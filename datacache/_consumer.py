@@ -78,6 +78,7 @@ class Consumer:
         # Runs that still have samples to read (all of them unless resuming mid-epoch).
         self.needed = sorted(set(plan.run_of[skip:].tolist())) if skip and plan.run_of is not None \
             else list(range(n_runs))
+        self.run_times = plan.run_times(epoch)  # set before the stages start: their threads read it
         self.skipped_shards = 0  # set before the stages start: the decode thread counts into it
         self._skipped: set[int] = set()
         # Stage 1: shards into the cache, far ahead (network-bound, adaptive, byte-bounded).
@@ -98,7 +99,7 @@ class Consumer:
             return self.cache.get(self.manifest.cache_key(shard),
                                   lambda path: self.store.read_into(info.name, path, size=info.bytes,
                                                                     priority=position),
-                                  size=info.bytes, hash=info.hash)
+                                  size=info.bytes, hash=info.hash, use_at=self.run_times[self.needed[position]])
         except IntegrityError as exc:
             if exc.url is not None:
                 raise
@@ -109,6 +110,8 @@ class Consumer:
     def _decode(self, run: int) -> "_Run":
         """Runs on the decode thread: pin the run's shard (waiting on stage 1) and read its range."""
         shard, lo, hi = self.plan.runs[run]
+        if self.schedule is not None:  # the shard file is read now: for the cache, this is its use
+            self.schedule.advance(self.run_times[run])
         try:
             handle = self.prefetcher.take()
         except (IntegrityError, NotFoundError) as exc:  # this shard's object is missing or not the manifest's
@@ -124,7 +127,7 @@ class Consumer:
             handle.release()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        plan, n = self.plan, max(len(self.plan), 1)
+        plan = self.plan
         assert plan.samples is not None and plan.run_of is not None
         shards = np.array([r[0] for r in plan.runs] or [0], dtype=np.int64)
         los = np.array([r[1] for r in plan.runs] or [0], dtype=np.int64)
@@ -136,8 +139,6 @@ class Consumer:
         try:
             for i in range(len(steps) - 1):
                 if i in needed:
-                    if self.schedule is not None:
-                        self.schedule.advance(self.epoch + steps[i] / n)
                     open_runs[i] = self.decoder.take()
                 for p in range(max(steps[i], self.skip), steps[i + 1]):
                     samples = open_runs[run_of[p]].samples

@@ -130,7 +130,7 @@ def make_room(cache: "NodeCache", tier: Tier, key: str, nbytes: int, fname: str,
         if need > 0:
             cands = sorted(((policy.score(k, e.atime), k, e) for k, e in txn.items()
                             if k != key and tier.name in e.tiers), key=lambda c: c[0], reverse=True)
-            incoming = policy.incoming_score(key)
+            incoming = policy.incoming_score(key, cache.use_at(key))
             freed = 0
             for score, k, e in cands:
                 if freed >= need or (policy.bypass and score <= incoming):

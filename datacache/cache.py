@@ -114,6 +114,7 @@ class NodeCache:
         self.lock_dir = ensure_private_dir(os.path.join(self.control_dir, "locks"))
         self.pass_dir = self._pick_pass_dir()
         self._pass_lock = threading.Lock()
+        self._access = threading.local()
         self.index = Index(self.control_dir)
         self._node_fd, self.token, self.reconciled = _reconcile.open_node(self)
         self._closed = False
@@ -163,10 +164,14 @@ class NodeCache:
         self.policy = policy
 
     # ------------------------------------------------------------------ lookups
-    def get(self, key: str, fetch: Fetch, *, size: int | None = None, hash: str | None = None) -> CacheHandle:
+    def get(self, key: str, fetch: Fetch, *, size: int | None = None, hash: str | None = None,
+            use_at: float | None = None) -> CacheHandle:
         """Return a pinned handle on ``key``'s bytes, fetching them with ``fetch(path)`` on a miss.
 
         ``size`` and ``hash`` (from the manifest) are verified before an entry becomes visible.
+        ``use_at``: when a prefetcher asks ahead of time, the schedule time of the read this get
+        serves; a clairvoyant policy then admits the entry only if its next use *after* that read
+        comes before some cached entry's (MIN with bypass); otherwise it is served privately.
         Thread- and process-safe; at most one ``fetch`` per key runs on the node at a time.
         """
         self._check_open()
@@ -180,7 +185,15 @@ class NodeCache:
             if handle is not None:
                 self.index.count(waited=1)
                 return handle
-            return self._fill(key, fetch, size, hash)
+            self._access.key, self._access.use_at = key, use_at
+            try:
+                return self._fill(key, fetch, size, hash)
+            finally:
+                self._access.key = None
+
+    def use_at(self, key: str) -> float | None:
+        """The ``use_at`` of the get this thread is serving for ``key`` (None if none)."""
+        return self._access.use_at if getattr(self._access, "key", None) == key else None
 
     def contains(self, key: str) -> str | None:
         """The fastest tier holding ``key`` ("ram"/"ssd"), or None. No pin is taken."""

@@ -39,8 +39,9 @@ class EvictionPolicy:
         """Higher is evicted first."""
         raise NotImplementedError
 
-    def incoming_score(self, key: str) -> float:
-        """Score of an entry about to be inserted (compared against victims when ``bypass``)."""
+    def incoming_score(self, key: str, use_at: float | None = None) -> float:
+        """Score of an entry about to be inserted (compared against victims when ``bypass``);
+        ``use_at`` is the time of the read it is fetched for, when fetched ahead of that read."""
         raise NotImplementedError
 
     bypass = False
@@ -65,7 +66,7 @@ class LRUPolicy(EvictionPolicy):
     def score(self, key: str, atime: float) -> float:
         return -atime
 
-    def incoming_score(self, key: str) -> float:
+    def incoming_score(self, key: str, use_at: float | None = None) -> float:
         return -time.time()
 
 
@@ -125,9 +126,10 @@ class Schedule:
             if i < len(ts):
                 self._now, self._at = ts[i], key
 
-    def next_use(self, key: Hashable) -> float:
+    def next_use(self, key: Hashable, after: float | None = None) -> float:
+        """The first read of ``key`` strictly after ``now`` (or after ``after``, if later)."""
         ts = self._times.get(key, ())
-        i = bisect.bisect_right(ts, self._now)
+        i = bisect.bisect_right(ts, self._now if after is None else max(after, self._now))
         return ts[i] if i < len(ts) else INF
 
     def knows(self, key: Hashable) -> bool:
@@ -152,8 +154,8 @@ class ClairvoyantPolicy(EvictionPolicy):
     def score(self, key: str, atime: float) -> float:
         return self.schedule.next_use(key)
 
-    def incoming_score(self, key: str) -> float:
-        return self.schedule.next_use(key)
+    def incoming_score(self, key: str, use_at: float | None = None) -> float:
+        return self.schedule.next_use(key, after=use_at)
 
     def worth_keeping(self, key: str) -> bool:
         return self.schedule.next_use(key) < INF

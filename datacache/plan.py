@@ -114,6 +114,7 @@ class ConsumerPlan:
     length: int
     window: int
     padded: int
+    run_starts: np.ndarray
 
     def __len__(self) -> int:
         return self.length
@@ -123,10 +124,15 @@ class ConsumerPlan:
         """Shards in the order this consumer needs them (a shard may appear more than once)."""
         return [r[0] for r in self.runs]
 
-    def shard_times(self, epoch: int) -> list[tuple[int, float]]:
-        """(shard, time) of each run's start on the node clock: ``epoch + position / length``."""
+    def run_times(self, epoch: int) -> list[float]:
+        """The node-clock time at which each run's shard is read: ``epoch + run start / length``
+        (run starts in the unshuffled order, so a shards-only plan gives the same times)."""
         n = max(self.length, 1)
-        return [(r[0], epoch + float(self.steps[i]) / n) for i, r in enumerate(self.runs)]
+        return [epoch + float(a) / n for a in self.run_starts]
+
+    def shard_times(self, epoch: int) -> list[tuple[int, float]]:
+        """(shard, time) of each run on the node clock (see ``run_times``)."""
+        return list(zip(self.shard_sequence, self.run_times(epoch)))
 
 
 def _runs(piece: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
@@ -160,14 +166,14 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
     run_of, starts, runs = _runs(piece, offsets)
     window = spec.window if spec.shuffle else 1
     if shards_only:
-        return ConsumerPlan(runs, np.append(starts, len(piece)), None, None, len(piece), window, padded)
+        return ConsumerPlan(runs, np.append(starts, len(piece)), None, None, len(piece), window, padded, starts)
     keys = run_of.astype(np.float64)
     if spec.shuffle:
         rng = np.random.default_rng([spec.seed, spec.epoch, 1, spec.dp_rank, spec.worker_id])
         keys += rng.random(len(piece)) * window
     perm = np.argsort(keys, kind="stable")
     steps = np.searchsorted(keys[perm], np.arange(len(runs) + window), side="left")
-    return ConsumerPlan(runs, steps, piece[perm], run_of[perm], len(piece), window, padded)
+    return ConsumerPlan(runs, steps, piece[perm], run_of[perm], len(piece), window, padded, starts)
 
 
 def remainder_order(counts: np.ndarray, spec: PlanSpec, consumed: list[int],

@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bandwidth", default="50MB", help="link bandwidth, bytes/s, shared by all connections")
     p.add_argument("--latency", type=float, default=0.02, help="per-request latency, s")
     p.add_argument("--profile", metavar="SCENARIO", help="also run datacache under a profiler for SCENARIO")
+    p.add_argument("--profiler", choices=("auto", "py-spy", "pyinstrument"), default="auto",
+                   help="auto: py-spy if installed (every process and thread), else pyinstrument (main process)")
     p.add_argument("--run-timeout", type=float, default=600.0, help="seconds before one run is killed")
     a = p.parse_args(argv)
     q = a.quick
@@ -107,9 +109,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
     small = name == "small"
-    sc = {"name": name, "dataset": "small" if small else "main", "batch_size": a.small_batch_size if small else a.batch_size,
-          "workers": a.workers, "compute": a.compute, "phases": ["measured"], "ranks": 1, "fast": False,
-          "cache_bytes": None}
+    sc = {"name": name, "dataset": "small" if small else "main",
+          "batch_size": a.small_batch_size if small else a.batch_size, "workers": a.workers, "compute": a.compute,
+          "phases": ["measured"], "ranks": 1, "fast": False, "cache_bytes": None}
     if name in ("warm", "small", "raw"):
         sc["phases"] = ["fill", "measured"]
     if name in ("small", "raw"):
@@ -186,8 +188,13 @@ def launch(cmd: str, spec: dict[str, Any], path: str, timeout: float, ranks: int
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            rc = None
+        try:  # whatever the run left behind (DataLoader workers of an aborted run, a hung rank)
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        if rc is None:
             return {"error": f"timed out after {timeout:.0f} s (log: {path}.log)"}
     outs = [path] if ranks == 1 else [f"{path}.rank{r}" for r in range(ranks)]
     if rc != 0 or not all(os.path.exists(p) for p in outs):
@@ -259,7 +266,8 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     spec = {"system": system, "variant": variant, "scenario": sc, "url": info["url"], "storage_options": opts,
             "litdata_options": {"endpoint_url": link.endpoint_url, "aws_access_key_id": opts["key"],
                                 "aws_secret_access_key": opts["secret"], "region_name": "us-east-1"},
-            "cache_dir": cache_dir, "ssd_dir": cache_dir.replace("/dev/shm", a.tmp, 1) + "-ssd", "meter_url": ctx["meter"].url,
+            "cache_dir": cache_dir, "ssd_dir": cache_dir.replace("/dev/shm", a.tmp, 1) + "-ssd",
+            "meter_url": ctx["meter"].url,
             "samples_per_shard": max(1, a.shard_bytes // info["sample_bytes"]), "sample_bytes": info["sample_bytes"],
             "max_epoch_bytes": 8 * D,
             "env": {"S3_ENDPOINT_URL": link.endpoint_url, "AWS_ACCESS_KEY_ID": opts["key"],
@@ -267,8 +275,11 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     wrap = None
     if profile:
         spec["profile"] = profile
-        if shutil.which("py-spy") or os.path.exists(os.path.join(os.path.dirname(sys.executable), "py-spy")):
-            spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+        local = os.path.join(os.path.dirname(sys.executable), "py-spy")
+        spy = shutil.which("py-spy") or (local if os.path.exists(local) else None)
+        if a.profiler == "py-spy" and spy is None:
+            raise SystemExit("--profiler py-spy: py-spy is not installed (pip install py-spy)")
+        if spy and a.profiler != "pyinstrument":
             wrap = [spy, "record", "--subprocesses", "--threads", "--rate", "200", "--format", "raw",
                     "-o", profile + ".pyspy.txt", "--"]
             spec["profile"] = None
@@ -333,8 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                     recs = run_one(a, ctx, system, variant, sc, rep)
                     records += recs
                     with open(jsonl, "a") as f:
-                        for r in recs:
-                            f.write(json.dumps(r) + "\n")
+                        f.writelines(json.dumps(r) + "\n" for r in recs)
                     print(bench_report.progress_line(recs), flush=True)
         if a.profile:
             sc = scenario(a.profile, a)

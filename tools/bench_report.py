@@ -46,7 +46,8 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
         remote = [r0["run_remote_bytes"]]  # the whole process: dataset open + epoch
     samples = sum(r["samples"] for r in m)
     return {"wall": wall, "wait_pct": 100 * sum(r["wait"] for r in m) / wall, "remote": remote,
-            "samples_s": samples / wall, "samples": samples, "first_batch": m[0].get("first_batch") or 0.0, "gb_s": samples * r0["sample_bytes"] / wall / 1e9,
+            "samples_s": samples / wall, "samples": samples, "first_batch": m[0].get("first_batch") or 0.0,
+            "gb_s": samples * r0["sample_bytes"] / wall / 1e9,
             "memcpy_gb_s": r0["memcpy_rate"] / 1e9, "link": link, "compute": compute, "memcpy": memcpy,
             "bound": max(link, compute, memcpy), "D": D, "C": C}
 
@@ -150,25 +151,31 @@ def write_report(out: str, records: list[dict[str, Any]], *, command: str, setti
     scenarios = list(dict.fromkeys(r["scenario"] for r in records))
     t = table(meds, scenarios)
     s = settings
-    head = [f"# datacache benchmark\n", f"- machine: {machine()}", f"- command: `{command}`",
+    head = ["# datacache benchmark\n", f"- machine: {machine()}", f"- command: `{command}`",
             f"- link: {s['bandwidth'] / 1e6:.0f} MB/s shared, {s['latency'] * 1e3:.0f} ms per request; dataset "
             f"{s['size'] / 1e6:.0f} MB of {s['sample_bytes']} B samples in {s['shard_bytes'] / 1e6:.0f} MB shards "
             f"(small: {s['small_size'] / 1e6:.0f} MB of {s['small_sample_bytes']} B); batch {s['batch_size']} "
             f"(small {s['small_batch_size']}), {s['workers']} workers, {s['compute'] * 1e3:.0f} ms compute per batch; "
             f"medians of {s['reps']} rep(s)",
             "- remote MB is measured at the link proxy; for limited it is per epoch; bound = max(link, compute, "
-            "memcpy) (see tools/bench_report.py)\n"]
+            "memcpy) (see tools/bench_report.py); first batch s: from iter(loader) to the first batch",
+            "- peers: defaults, and `+tuned`: streaming `predownload` = 4 shards per worker (limited: "
+            "`shuffle_block_size` = samples of C/2), litdata `max_pre_download=8`; work-arounds (stub torchvision/"
+            "transformers imports for streaming, obstore `allow_http` for litdata, streaming's boto3 client "
+            "dropped before the workers fork) are documented in tools/bench_systems.py",
+            "- a run that pulls more than 8 x D in one epoch is stopped and reported as aborted (thrashing)\n"]
     text = "\n".join(head) + "\n" + t + "\n"
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
     try:
-        charts(out, meds, scenarios)
+        charts(out, meds, scenarios, records)
     except ImportError as exc:  # matplotlib missing: the table is still written
         text += f"\n(no charts: {exc})\n"
     return text
 
 
-def charts(out: str, meds: dict[tuple[str, str], dict[str, Any]], scenarios: list[str]) -> None:
+def charts(out: str, meds: dict[tuple[str, str], dict[str, Any]], scenarios: list[str],
+           records: list[dict[str, Any]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,6 +187,11 @@ def charts(out: str, meds: dict[tuple[str, str], dict[str, Any]], scenarios: lis
                          key=lambda s: ORDER.index(s) if s in ORDER else 99)
         walls = [meds[(sc, s)]["wall"] for s in systems]
         ax.barh(systems, walls, color=["tab:green" if s == "datacache" else "tab:gray" for s in systems])
+        failed = [s for (c, s) in meds if c == sc and "failed" in meds[(c, s)]]
+        if failed:
+            ax.text(0.99, 0.5, "not shown: " + ", ".join(f"{s} ({meds[(sc, s)]['failed'].split(':')[0]})"
+                                                        for s in failed),
+                    transform=ax.transAxes, ha="right", va="center", fontsize=7, color="tab:red")
         bound = max((meds[(sc, s)]["bound"] for s in systems), default=0)
         if bound:
             ax.axvline(bound, color="tab:red", ls="--", lw=1, label="bound")
@@ -190,6 +202,22 @@ def charts(out: str, meds: dict[tuple[str, str], dict[str, Any]], scenarios: lis
     fig.tight_layout()
     fig.savefig(os.path.join(out, "bench_wall.png"), dpi=100)
     plt.close(fig)
+    cold = [r for r in records if r["scenario"] == "cold" and r.get("rep") == 0 and r.get("link_timeline")]
+    if cold:  # when did each system keep the link busy?
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        for r in sorted(cold, key=lambda r: ORDER.index(r["system"]) if r["system"] in ORDER else 99):
+            ts = [0.0] + [t for t, _ in r["link_timeline"]] + [r["wall"]]
+            bs = [0.0] + [b / 1e6 for _, b in r["link_timeline"]] + [r["remote_bytes"] / 1e6]
+            ax.plot(ts, bs, label=r["system"], lw=2 if r["system"] == "datacache" else 1)
+        bw = cold[0]["bandwidth"] / 1e6
+        ax.plot([0, cold[0]["D"] / 1e6 / bw], [0, cold[0]["D"] / 1e6], "k--", lw=1, label=f"{bw:.0f} MB/s from t=0")
+        ax.set_xlabel("s since the epoch began")
+        ax.set_ylabel("remote MB (at the proxy)")
+        ax.set_title("cold epoch: bytes across the link over time (rep 0)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "bench_cold_link.png"), dpi=100)
+        plt.close(fig)
     lim = {s: m for (c, s), m in meds.items() if c == "limited" and "failed" not in m}
     if lim:
         fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -201,7 +229,8 @@ def charts(out: str, meds: dict[tuple[str, str], dict[str, Any]], scenarios: lis
         m = next(iter(lim.values()))
         ax.axhline((m["D"] - m["C"]) / 1e6, color="tab:red", ls="--", lw=1, label="D - C")
         ax.set_xlabel("epoch")
-        ax.set_xticks([e + 0.4 - width / 2 for e in range(len(m["remote"]))], [str(e + 1) for e in range(len(m["remote"]))])
+        epochs = range(len(m["remote"]))
+        ax.set_xticks([e + 0.4 - width / 2 for e in epochs], [str(e + 1) for e in epochs])
         ax.set_ylabel("remote MB")
         ax.set_title("limited (C = D/2): remote bytes per epoch")
         ax.legend(fontsize=7)
@@ -228,6 +257,7 @@ def summarize_profile(base: str, top: int = 25) -> str:
         return base + ".txt (pyinstrument, main process)" if os.path.exists(base + ".txt") else "no profile written"
     own: dict[str, int] = defaultdict(int)
     incl: dict[str, int] = defaultdict(int)
+    where: dict[str, int] = defaultdict(int)
     total = 0
     with open(raw) as f:
         for line in f:
@@ -236,17 +266,27 @@ def summarize_profile(base: str, top: int = 25) -> str:
                 continue
             n = int(count)
             total += n
-            frames = [fr for fr in stack.split(";") if not fr.startswith(("process ", "thread "))]
+            parts = stack.split(";")
+            procs = [p for p in parts if p.startswith("process ")]
+            thread = next((p for p in parts if p.startswith("thread ")), "thread ?")
+            name = thread.split(": ", 1)[1] if ": " in thread else "(unnamed)"
+            where[f"{'main process' if len(procs) <= 1 else 'DataLoader worker'} / {name}"] += n
+            frames = [fr for fr in parts if not fr.startswith(("process ", "thread "))]
             if frames:
                 own[frames[-1]] += n
             for fr in set(frames):
                 incl[fr] += n
     lines = [f"# py-spy profile ({total} samples, all processes and threads, idle excluded)\n",
-             "## self\n", "| samples | % | frame |", "|---|---|---|"]
-    lines += [f"| {n} | {100 * n / max(total, 1):.1f} | `{fr}` |" for fr, n in sorted(own.items(), key=lambda x: -x[1])[:top]]
+             "## by process / thread\n", "| samples | % | where |", "|---|---|---|"]
+    def rows(counts: dict[str, int], fmt: str) -> list[str]:
+        best = sorted(counts.items(), key=lambda x: -x[1])[:top]
+        return [f"| {n} | {100 * n / max(total, 1):.1f} | {fmt.format(k)} |" for k, n in best]
+
+    lines += rows(where, "{}")
+    lines += ["\n## self\n", "| samples | % | frame |", "|---|---|---|"]
+    lines += rows(own, "`{}`")
     lines += ["\n## inclusive (datacache and readers frames)\n", "| samples | % | frame |", "|---|---|---|"]
-    mine = [(fr, n) for fr, n in incl.items() if "datacache/" in fr or "readers/" in fr]
-    lines += [f"| {n} | {100 * n / max(total, 1):.1f} | `{fr}` |" for fr, n in sorted(mine, key=lambda x: -x[1])[:top]]
+    lines += rows({fr: n for fr, n in incl.items() if "datacache/" in fr or "readers/" in fr}, "`{}`")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     return base + ".md"

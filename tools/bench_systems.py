@@ -14,7 +14,13 @@ Systems (each with its defaults; ``tuned`` changes the one documented setting):
   scenarios (small, raw) its batched mode ``StreamingDataset(batch_size=B)`` + ``batch_size=None``.
 - ``streaming`` (mosaicml-streaming): MDS shards (``MDSWriter``, no compression), S3 through boto3
   (``S3_ENDPOINT_URL``); tuned: ``predownload`` = 4 shards of samples per worker (default 8 x batch),
-  capped with a cache limit C so that all the node's workers predownload at most C/2.
+  or, with a cache limit C, ``shuffle_block_size`` = the samples of C/2 (the default py1e blocks of
+  262144 samples spread every epoch over the whole dataset, so a cache of D/2 thrashes).
+  Fork safety: the main process downloads ``index.json`` with a boto3 client that forked DataLoader
+  workers inherit with its pooled keep-alive connection; two processes then share one socket and a
+  GET can wait for its 60 s read timeout (seen here as 61 s stalls). Streaming drops that client
+  when it pickles the downloader for spawned workers; the runner drops it the same way before the
+  workers fork, so each worker opens its own connections.
   It imports ``torchvision`` (for ``streaming.vision``) and ``transformers`` (three names used in
   isinstance checks and the text datasets) at import time; neither is used by ``StreamingDataset``
   or ``MDSWriter``, and PyPI's torchvision does not import beside this torch build, so this runner
@@ -29,15 +35,18 @@ Systems (each with its defaults; ``tuned`` changes the one documented setting):
 """
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import types
 import urllib.request
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +79,9 @@ def _upload_dir(local: str, url: str, opts: dict[str, Any]) -> None:
         for f in files:
             path = os.path.join(dirpath, f)
             fs.put_file(path, f"{prefix}/{os.path.relpath(path, local)}")
+
+
+PACKAGES = {"streaming": "mosaicml-streaming==0.13.0", "litdata": "litdata==0.2.76"}
 
 
 # ---------------------------------------------------------------- peers' import work-arounds
@@ -144,6 +156,7 @@ def write(spec: dict[str, Any]) -> dict[str, Any]:
         elif system == "litdata":
             from litdata import optimize
 
+            os.environ.setdefault("DATA_OPTIMIZER_CACHE_FOLDER", tmp + "-optimizer-cache")
             optimize(fn=_lit_sample, inputs=[(i, side) for i in range(n)], output_dir=tmp, chunk_bytes=shard,
                      num_workers=1, reorder_files=False, verbose=False, start_method="fork")
         else:
@@ -153,6 +166,7 @@ def write(spec: dict[str, Any]) -> dict[str, Any]:
         return {"bytes": sum(os.path.getsize(f) for f in files if not f.endswith(".json")), "files": len(files)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp + "-optimizer-cache", ignore_errors=True)
 
 
 def _lit_sample(arg: tuple[int, int]) -> dict[str, Any]:
@@ -187,15 +201,18 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
 
         clean_stale_shared_memory()
         kw: dict[str, Any] = {}
-        if spec["variant"] == "tuned":  # 4 shards ahead per worker, all the node's within C/2
+        if spec["variant"] == "tuned" and C:  # shuffle blocks that fit in half the cache
+            kw["shuffle_block_size"] = max(bs, C // 2 // spec["sample_bytes"])
+        elif spec["variant"] == "tuned":  # 4 shards ahead per worker
             kw["predownload"] = 4 * spec["samples_per_shard"]
-            if C:
-                per_worker = C // 2 // (workers * sc["ranks"]) // max(spec["sample_bytes"], 1)
-                kw["predownload"] = max(bs, min(kw["predownload"], per_worker))
         if C:
             kw["cache_limit"] = C
         ds = streaming.StreamingDataset(remote=spec["url"], local=os.path.join(cache_dir, "local"), shuffle=True,
                                         shuffle_seed=0, batch_size=bs, **kw)
+        for stream in ds.streams:  # fork safety, see the module docstring
+            downloader = getattr(stream, "_downloader", None)
+            if getattr(downloader, "_s3_client", None) is not None:
+                downloader._s3_client = None
         loader = tud.DataLoader(ds, batch_size=bs, num_workers=workers)
         return loader, lambda e: None, lambda: {}, lambda: None
     if system == "litdata":
@@ -239,7 +256,7 @@ class FsspecShards(_iterable_base()):  # type: ignore[misc]
 
         info = tud.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         rng = np.random.default_rng([0, self.epoch])
         order = rng.permutation(len(self.shards))[rank * nw + wid::world * nw]
         fs, fmt = _s3fs(self.opts), readers.get_format("zstd")
@@ -276,32 +293,47 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     wait, first, aborted = 0.0, None, None
     batches = samples = 0
     it = None
-    while True:
-        ta = time.perf_counter()
-        try:
-            if it is None:
-                it = iter(loader)  # worker start-up counts as waiting for data
-            batch = next(it)
-        except StopIteration:
-            break
-        wait += time.perf_counter() - ta
-        first = time.perf_counter() - t0 if first is None else first
-        samples += _batch_len(batch)
-        batches += 1
-        if compute:
-            time.sleep(compute)  # the simulated training step
-        if batches % 16 == 0 and max_bytes < float("inf"):
+    stop, tripped, timeline = threading.Event(), [], []
+
+    def watchdog() -> None:  # samples the link; interrupts the loop (even in next()) once the epoch thrashes
+        while not stop.wait(0.25):
             pulled = meter(meter_url)["bytes_down"] - m0["bytes_down"]
+            timeline.append((round(time.perf_counter() - t0, 3), pulled))
             if pulled > max_bytes:
-                aborted = f"stopped after {batches} batches: {pulled / 1e6:.0f} MB pulled this epoch (thrashing)"
+                tripped.append(pulled)
+                _thread.interrupt_main()
+                return
+
+    threading.Thread(target=watchdog, daemon=True, name="bench-watchdog").start()
+    try:
+        while True:
+            ta = time.perf_counter()
+            try:
+                if it is None:
+                    it = iter(loader)  # worker start-up counts as waiting for data
+                batch = next(it)
+            except StopIteration:
                 break
+            wait += time.perf_counter() - ta
+            first = time.perf_counter() - t0 if first is None else first
+            samples += _batch_len(batch)
+            batches += 1
+            if compute:
+                time.sleep(compute)  # the simulated training step
+    except KeyboardInterrupt:
+        if not tripped:
+            raise
+        aborted = f"stopped after {batches} batches: {tripped[0] / 1e6:.0f} MB pulled this epoch (thrashing)"
+    finally:
+        stop.set()
     own = time.perf_counter() - t0
     barrier()
     wall = time.perf_counter() - t0  # the node's wall: until the last rank is done
     m1 = meter(meter_url)
     return {"wall": wall, "own_wall": own, "wait": wait, "first_batch": first, "compute": batches * compute,
             "batches": batches, "samples": samples, "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
-            "requests": m1["requests"] - m0["requests"], **({"aborted": aborted} if aborted else {})}
+            "requests": m1["requests"] - m0["requests"], "link_timeline": timeline,
+            **({"aborted": aborted} if aborted else {})}
 
 
 def _profiler(spec: dict[str, Any]) -> Any:
@@ -314,7 +346,7 @@ def _profiler(spec: dict[str, Any]) -> Any:
 
 def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     sc = spec["scenario"]
-    barrier: Callable[[], None] = lambda: None  # noqa: E731
+    barrier: Callable[[], None] = lambda: None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
 
@@ -362,7 +394,10 @@ def main(argv: list[str]) -> int:
     try:
         import_system(spec["system"])
     except Exception as exc:  # noqa: BLE001 - any import failure makes the system unavailable here
-        result: Any = {"unavailable": f"{type(exc).__name__}: {exc}"[:300]}
+        why = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, ModuleNotFoundError) and exc.name in ("streaming", "litdata"):
+            why = f"not installed (pip install --no-deps {PACKAGES[exc.name]}, see tools/bench.py)"
+        result: Any = {"unavailable": why[:300]}
     else:
         result = write(spec) if cmd == "write" else {"records": run(spec)}
     with open(out + ".tmp", "w") as f:
