@@ -107,7 +107,7 @@ def run_epoch(ds: Any, loader: Any, epoch: int, step: Any, meter: Any) -> dict[s
         t2 = time.perf_counter()
         waits.append(t1 - t0)
         computes.append(t2 - t1)
-        samples += len(batch["label"])
+        samples += len(next(iter(batch.values())))
         if len(waits) % 5 == 0:
             st = ds.cache.stats()
             wall = t2 - t_start
@@ -188,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
             meter = lambda: ds.cache.stats()["remote_bytes"]  # noqa: E731
         loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers,
                                              persistent_workers=args.workers > 0)
-        step = make_step(args.compute)
+        compute = args.compute
+        if compute == "model" and not (ds.manifest.schema.get("image") == "ndarray" and ds.manifest.schema.get("label") == "int"):
+            print("dataset has no 'image' array and 'label' int: simulating 20 ms of compute per batch", flush=True)
+            compute = "sleep:0.02"
+        step = make_step(compute)
         results = [run_epoch(ds, loader, e, step, meter) for e in range(args.epochs)]
         table = report(results, ds.manifest.total_bytes, bandwidth)
         png = os.path.join(args.out, "data_wait.png")
