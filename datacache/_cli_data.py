@@ -18,8 +18,10 @@ import numpy as np
 
 import readers
 from readers import codec
+from readers.parquet import arrow_kind
 
 from . import __version__
+from ._cli_common import Ctx, UsageError, _download, _mbps, _Progress, _run_pool, _watch
 from .config import format_size
 from .errors import DatacacheError, IntegrityError, ManifestError, NotFoundError
 from .errors import ReaderError as DcReaderError
@@ -32,9 +34,6 @@ from .manifest import (
 )
 from .storage import Store, open_store
 from .writer import DatasetWriter
-
-
-from ._cli_common import Ctx, UsageError, _download, _mbps, _Progress, _run_pool, _watch
 
 __all__ = ["cmd_index", "cmd_write"]
 
@@ -82,18 +81,6 @@ class _RangeFile(io.RawIOBase):
         return len(data)
 
 
-def _arrow_kind(dtype: Any) -> str:
-    import pyarrow as pa
-
-    if pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype) or pa.types.is_fixed_size_binary(dtype):
-        return "bytes"
-    if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
-        return "str"
-    if pa.types.is_integer(dtype):
-        return "int"
-    return "float" if pa.types.is_floating(dtype) else "any"
-
-
 def _parquet_footer(store: Store, name: str, size: int) -> tuple[int, dict[str, str]]:
     """(rows, schema) of a Parquet object from its footer alone (range reads)."""
     import pyarrow as pa
@@ -112,7 +99,7 @@ def _parquet_footer(store: Store, name: str, size: int) -> tuple[int, dict[str, 
         md = pq.read_metadata(f)
         stored = (md.metadata or {}).get(SCHEMA_KEY)
         schema = codec.schema_from_json(stored, url) if stored is not None else \
-            {field.name: _arrow_kind(field.type) for field in md.schema.to_arrow_schema()}
+            {field.name: arrow_kind(field.type) for field in md.schema.to_arrow_schema()}
     except DatacacheError:
         raise
     except (pa.ArrowException, OSError, ValueError) as exc:

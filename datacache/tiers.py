@@ -173,18 +173,24 @@ def unlock_close(fd: int) -> None:
         os.close(fd)
 
 
-def try_pin(path: str) -> int | None:
-    """Open ``path`` with a shared lock; ``None`` if it is gone or being evicted. Returns the fd."""
+def _open_locked(path: str, op: int) -> int | None:
+    """Open ``path`` read-only and ``flock`` it with ``op`` without blocking; None if gone or busy."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
-    if os.fstat(fd).st_nlink == 0:  # unlinked between open and lock
+    return fd
+
+
+def try_pin(path: str) -> int | None:
+    """Open ``path`` with a shared lock; ``None`` if it is gone or being evicted. Returns the fd."""
+    fd = _open_locked(path, fcntl.LOCK_SH)
+    if fd is not None and os.fstat(fd).st_nlink == 0:  # unlinked between open and lock
         unlock_close(fd)
         return None
     return fd
@@ -192,13 +198,4 @@ def try_pin(path: str) -> int | None:
 
 def try_lock_exclusive(path: str) -> int | None:
     """Open ``path`` with an exclusive lock without blocking; ``None`` if pinned or gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    return _open_locked(path, fcntl.LOCK_EX)

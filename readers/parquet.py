@@ -27,7 +27,7 @@ from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
 from .codec import decode_field, encode_field, schema_from_json, schema_to_json
 
-__all__ = ["ParquetShardReader", "ParquetShardWriter", "FORMAT", "SCHEMA_KEY"]
+__all__ = ["ParquetShardReader", "ParquetShardWriter", "FORMAT", "SCHEMA_KEY", "arrow_kind"]
 
 SCHEMA_KEY = b"datacache.schema"
 _MAGIC = b"PAR1"
@@ -98,7 +98,8 @@ class ParquetShardWriter(_BaseWriter):
         self._writer.close()
 
 
-def _derived_kind(dtype: pa.DataType) -> str:
+def arrow_kind(dtype: pa.DataType) -> str:
+    """The datacache field kind of an arrow type (``any`` when there is none)."""
     if pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype) \
             or pa.types.is_fixed_size_binary(dtype):
         return "bytes"
@@ -165,7 +166,7 @@ class ParquetShardReader(_BaseReader):
         arrow = pf.schema_arrow
         stored = (arrow.metadata or {}).get(SCHEMA_KEY)
         kinds = schema_from_json(stored, self.path) if stored is not None else \
-            {f.name: _derived_kind(f.type) for f in arrow}
+            {f.name: arrow_kind(f.type) for f in arrow}
         missing = [name for name in (self._requested or kinds) if name not in arrow.names]
         if missing:
             raise ReaderError(f"parquet shard has no column(s) {missing}", path=self.path,
