@@ -18,7 +18,6 @@ import os
 import random
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -27,6 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from datacache import CacheConfig, Manifest, write_dataset  # noqa: E402
+from _cache_worker import in_child  # noqa: E402,F401  (one fork helper for all tests)
 
 FORK = mp.get_context("fork")
 HELPER = str(Path(__file__).resolve())
@@ -106,28 +106,6 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
             return got
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
-
-
-def in_child(fn: Callable[..., Any], *args: Any, timeout: float = 60) -> Any:
-    """Run ``fn(*args)`` in a forked child (a new process); return its result."""
-    q = FORK.Queue()
-
-    def main() -> None:
-        try:
-            q.put((None, fn(*args)))
-        except BaseException:
-            q.put((traceback.format_exc(), None))
-
-    p = FORK.Process(target=main, daemon=True)
-    p.start()
-    try:
-        err, out = q.get(timeout=timeout)
-    finally:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-    assert err is None, err
-    return out
 
 
 def epoch_json(spec: dict[str, Any]) -> dict[str, Any]:

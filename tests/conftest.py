@@ -70,3 +70,19 @@ def slowlink(s3_server: SeaweedServer) -> Iterator[Callable[..., SlowLink]]:
     finally:
         for link in links:
             link.stop()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 32 MB tmpfs mounted for the test (root only; skipped where mounting is not allowed)."""
+    import subprocess
+
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

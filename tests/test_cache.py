@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import stat
-import subprocess
 import tempfile
 import threading
 import time
@@ -437,17 +436,6 @@ def test_clairvoyant_demotes_only_what_is_used_again(dirs, seq, demoted, gone):
 
 
 # --------------------------------------------------------------------------- 7. degrade
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_budget_shrinks_to_a_small_filesystem_with_one_warning(small_tmpfs, dirs, caplog):

@@ -357,12 +357,12 @@ def test_warm_ctrl_c_stops_promptly_and_leaves_a_consistent_cache(s3_server: Any
                                                                   slowlink: Any) -> None:
     node = Node(s3_server, tmp_path)
     url = _write(node)
-    link = slowlink(bandwidth=60_000)  # ~0.15 s per shard: the whole warm would take ~3 s
+    link = slowlink(bandwidth=8_000)  # ~1 s per shard: the whole warm would take ~25 s, far past the signal
     env = {**node.env, "AWS_ENDPOINT_URL": link.endpoint_url}
     proc = subprocess.Popen([sys.executable, "-m", "datacache.cli", "warm", url, "--threads", "2", "-q"],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     data_dir = Path(node.config.ram_dir) / "data"
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         if data_dir.is_dir() and any(not f.name.startswith(".") for f in data_dir.iterdir()):
             break
@@ -372,7 +372,7 @@ def test_warm_ctrl_c_stops_promptly_and_leaves_a_consistent_cache(s3_server: Any
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 130, (out, err)
-    assert time.monotonic() - t0 < 5 and "interrupted" in err and "Traceback" not in err
+    assert time.monotonic() - t0 < 15 and "interrupted" in err and "Traceback" not in err
     m = load_manifest(open_store(url, node.opts))
     by_key = {m.cache_key(i): s for i, s in enumerate(m.shards)}
     with NodeCache(node.config) as c:

@@ -228,7 +228,7 @@ def test_slowlink_cli(origin: Any) -> None:
             assert len(exchange(s, "GET", "/1000")[1]) == 1000
     finally:
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(10) == 0
+        assert proc.wait(60) == 0  # generous: a loaded CI machine; a hang still fails
 
 
 def test_s3server_cli_starts_a_second_server_and_stops_on_sigterm() -> None:
