@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                                     ram_dir=f"/dev/shm/datacache-demo-{os.getuid()}",
                                     ssd_dir=os.path.join(args.out, "cache"))
         cache = stack.enter_context(datacache.NodeCache(cfg))
+        stack.callback(cache.clear, tiers=("ram",))  # give /dev/shm back when the demo ends
         if not args.keep_cache:
             cache.clear()
         cache.reset_stats()
