@@ -12,13 +12,12 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .index import Entry
-from .tiers import NO_SPACE_ERRNOS, KeyLock, Tier, key_id, unlock_close
+from .tiers import KeyLock, Tier, key_id, unlock_close
 
 if TYPE_CHECKING:
     from .cache import NodeCache
@@ -56,24 +55,15 @@ class Victim:
             self.lock.release()
 
     def _demote(self, cache: "NodeCache", path: str) -> None:
-        tmp = cache.ssd.temp_path(key_id(self.key))
         try:
-            shutil.copyfile(path, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            handle = cache._commit(self.key, cache.ssd, tmp, self.entry.size, self.entry.hash)
+            handle = cache.copy_in(self.key, path, cache.ssd, self.entry.size, self.entry.hash)
+        except Exception as exc:  # e.g. an LMDB error: demotion is best effort
+            log.warning("datacache: could not demote %s to SSD: %s", self.key, exc)
+            return
+        if handle is not None:
             if handle.tier == "ssd":
                 cache.index.count(demotions=1)
             handle.release()
-        except Exception as exc:  # an OSError, or e.g. an LMDB error: demotion is best effort
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
-                cache.ssd.disable(f"no space left ({exc})")
-            else:
-                log.warning("datacache: could not demote %s to SSD: %s", self.key, exc)
 
 
 def finish_all(cache: "NodeCache", victims: list[Victim]) -> None:

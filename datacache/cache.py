@@ -353,23 +353,29 @@ class NodeCache:
             e = txn.get(key)
         if e is not None and "ssd" in e.tiers:
             return None
-        tmp = self.ssd.temp_path(key_id(key))
-        try:
-            shutil.copyfile(path, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            handle = self._commit(key, self.ssd, tmp, nbytes, digest)
-        except OSError as exc:
-            _unlink(tmp)
-            if exc.errno in NO_SPACE_ERRNOS:
-                self.ssd.disable(f"no space left ({exc})")
-                return None
-            raise
-        if handle.tier == "pass":
+        handle = self.copy_in(key, path, self.ssd, nbytes, digest)
+        if handle is not None and handle.tier == "pass":
             handle.release()
             self.index.count(bypassed=-1)  # counted once, by the caller's pass-through
             return None
         return handle
+
+    def copy_in(self, key: str, src: str, tier: Tier, nbytes: int, digest: str) -> CacheHandle | None:
+        """Copy the local file ``src`` into ``tier`` (temp, fsync, commit) for ``key``; the handle
+        (tier "pass" if the policy refused it), or None when the tier's file system is full (the
+        tier is then disabled with a warning). Used to promote, demote and fall through to SSD."""
+        tmp = tier.temp_path(key_id(key))
+        try:
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            return self._commit(key, tier, tmp, nbytes, digest)
+        except OSError as exc:
+            _unlink(tmp)
+            if exc.errno in NO_SPACE_ERRNOS:
+                tier.disable(f"no space left ({exc})")
+                return None
+            raise
 
     def _promote(self, key: str, entry: Entry, ssd_handle: CacheHandle, locked: bool) -> CacheHandle | None:
         lock = None
@@ -384,16 +390,9 @@ class NodeCache:
                 if now is None or "ram" in now.tiers or \
                         now.tiers.get("ssd", {}).get("file") != os.path.basename(ssd_handle.path):
                     return None
-            tmp = self.ram.temp_path(key_id(key))
-            try:
-                shutil.copyfile(ssd_handle.path, tmp)
-                handle = self._commit(key, self.ram, tmp, entry.size, entry.hash)
-            except OSError as exc:
-                _unlink(tmp)
-                if exc.errno in NO_SPACE_ERRNOS:
-                    self.ram.disable(f"no space left ({exc})")
-                    return None
-                raise
+            handle = self.copy_in(key, ssd_handle.path, self.ram, entry.size, entry.hash)
+            if handle is None:
+                return None
             if handle.tier == "pass":
                 handle.release()
                 return None

@@ -211,12 +211,20 @@ def in_child(fn, *args, timeout=60):
     return out
 
 
-def data_files(d: str) -> dict[str, int]:
+def data_files(d) -> dict[str, int]:
+    """name -> size of the plain files in ``d`` (empty if it does not exist)."""
     out = {}
     try:
         entries = list(os.scandir(d))
     except FileNotFoundError:
         return out
+    for e in entries:
+        try:
+            if e.is_file(follow_symlinks=False):
+                out[e.name] = e.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            pass
+    return out
     for e in entries:
         try:
             out[e.name] = e.stat(follow_symlinks=False).st_size

@@ -26,6 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from datacache import CacheConfig, Manifest, write_dataset  # noqa: E402
+from _cache_worker import data_files as files  # noqa: E402,F401  (shared with the cache tests)
 from _cache_worker import in_child  # noqa: E402,F401  (one fork helper for all tests)
 
 FORK = mp.get_context("fork")
@@ -65,22 +66,6 @@ def cache_kw(base: Path | str, ram: int | str = "4MB", ssd: int | str = 0, **kw:
 
 def cache_config(base: Path | str, ram: int | str = "4MB", ssd: int | str = 0, **kw: Any) -> CacheConfig:
     return CacheConfig(**cache_kw(base, ram, ssd, **kw))
-
-
-def files(d: str | Path) -> dict[str, int]:
-    """name -> size of the plain files in ``d`` (empty if it does not exist)."""
-    out = {}
-    try:
-        entries = list(os.scandir(d))
-    except FileNotFoundError:
-        return out
-    for e in entries:
-        try:
-            if e.is_file(follow_symlinks=False):
-                out[e.name] = e.stat(follow_symlinks=False).st_size
-        except FileNotFoundError:
-            pass
-    return out
 
 
 def leftovers(*dirs: str | Path) -> list[str]:

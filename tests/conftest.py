@@ -86,3 +86,15 @@ def small_tmpfs(tmp_path):
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    """A fresh node cache (RAM 4 MB, SSD 8 MB) in the test's directory, shared by every dataset of
+    the test (one LMDB environment per path and process); closed afterwards."""
+    from datacache import CacheConfig, NodeCache
+
+    c = NodeCache(CacheConfig(ram_bytes="4MB", ssd_bytes="8MB", ram_dir=str(tmp_path / "ram"),
+                              ssd_dir=str(tmp_path / "ssd")))
+    yield c
+    c.close()

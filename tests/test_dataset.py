@@ -8,7 +8,6 @@ import time
 import traceback
 import uuid
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from datacache import (CacheConfig, DatacacheError, NodeCache, NotFoundError, StreamingDataset, open_store,
+from datacache import (DatacacheError, NodeCache, NotFoundError, StreamingDataset, open_store,
                        write_dataset)
 from datacache.dist import DistInfo, detect
 
@@ -38,15 +37,6 @@ def location(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     m = write_dataset(_samples(), url, shard_bytes=1200, storage_options=opts, progress=False)
     assert 6 <= len(m.shards) <= 16
     return url, opts
-
-
-@pytest.fixture
-def cache(tmp_path: Path):
-    """A fresh, empty node cache (one per test: an LMDB env may be open once per process)."""
-    c = NodeCache(CacheConfig(ram_bytes="2MB", ssd_bytes="4MB", ram_dir=str(tmp_path / "ram"),
-                              ssd_dir=str(tmp_path / "ssd")))
-    yield c
-    c.close()
 
 
 def make(location: tuple[str, Any], cache: NodeCache, **kw: Any) -> StreamingDataset:

@@ -2,13 +2,12 @@
 sizes, and through torchdata's StatefulDataLoader. All checks go through resume_helper.check_resume."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from datacache import CacheConfig, NodeCache, StreamingDataset, write_dataset
+from datacache import NodeCache, StreamingDataset, write_dataset
 from resume_helper import check_resume
 
 N = 400
@@ -21,15 +20,6 @@ def dataset_url(tmp_path_factory: pytest.TempPathFactory) -> str:
                       shard_bytes=2000, progress=False)
     assert 8 <= len(m.shards) <= 14 and len({s.samples for s in m.shards}) > 1  # uneven last shard
     return url
-
-
-@pytest.fixture
-def cache(tmp_path: Path):
-    # one NodeCache per test, shared by every dataset of the test (one LMDB env per process)
-    c = NodeCache(CacheConfig(ram_bytes="4MB", ssd_bytes="8MB", ram_dir=str(tmp_path / "ram"),
-                              ssd_dir=str(tmp_path / "ssd")))
-    yield c
-    c.close()
 
 
 def factory(url: str, cache: NodeCache, **kw: Any):
