@@ -19,6 +19,7 @@ import numpy as np
 
 import readers
 
+from ._openshards import open_shards
 from .cache import CacheHandle, NodeCache
 from .config import PrefetchConfig
 from .errors import IntegrityError, NotFoundError, ReaderError
@@ -28,7 +29,7 @@ from .plan import ConsumerPlan, PlanSpec, build_plan
 from .prefetch import Prefetcher
 from .storage import Store
 
-__all__ = ["Consumer", "node_schedule", "cap_lookahead", "collate"]
+__all__ = ["Consumer", "node_schedule", "cap_lookahead"]
 
 log = logging.getLogger("datacache.dataset")
 
@@ -155,9 +156,16 @@ class Consumer:
 
     def _read(self, shard: int, handle: CacheHandle, lo: int, hi: int) -> list[Any] | None:
         url = self.store.url_of(self.manifest.shards[shard].name)
+        shards = open_shards()
         try:
-            with self.fmt.open(handle.path, **self.reader_options) as reader:
-                return list(reader.iter_range(lo, hi))
+            reader = shards.checkout(self.fmt, handle.path, self.reader_options)
+            try:
+                samples = list(reader.iter_range(lo, hi))
+            except BaseException:
+                reader.close()
+                raise
+            shards.checkin(self.fmt, handle.path, reader, self.reader_options)
+            return samples
         except (readers.ReaderError, ValueError, OSError) as exc:
             err = ReaderError(f"cannot read shard as {self.manifest.format!r}: {exc}", url=url,
                               hint="Check the manifest's format, or rebuild the shard")
@@ -196,22 +204,3 @@ class _Run:
 
     def release(self) -> None:
         self.samples = None
-
-
-def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Collate samples into a batch: numbers and equal-shape arrays become tensors, the rest lists."""
-    import torch
-
-    out: dict[str, Any] = {}
-    for k in samples[0]:
-        vals = [s[k] for s in samples]
-        v0 = vals[0]
-        if isinstance(v0, (bool, int)) and not isinstance(v0, bool):
-            out[k] = torch.tensor(vals, dtype=torch.int64)
-        elif isinstance(v0, float):
-            out[k] = torch.tensor(vals, dtype=torch.float64)
-        elif isinstance(v0, np.ndarray) and all(isinstance(v, np.ndarray) and v.shape == v0.shape for v in vals):
-            out[k] = torch.from_numpy(np.stack(vals))
-        else:
-            out[k] = vals
-    return out

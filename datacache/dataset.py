@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from ._consumer import Consumer, cap_lookahead, collate, node_schedule
+from ._batches import RingCollator, collate
+from ._consumer import Consumer, cap_lookahead, node_schedule
 from .cache import NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
 from .dist import DistInfo, detect
@@ -193,16 +194,23 @@ class StreamingDataset(tud.IterableDataset):
             self._flush_stats(consumer)
             return
         # Batched mode: a batcher thread collates the next batches while this one is used, so the
-        # training loop only ever takes a ready batch. ``_delivered`` is the plan position after the
-        # last batch handed out (what state_dict must record, not what the batcher has read).
+        # training loop (or a DataLoader worker's loop, sending the last batch) only ever takes a
+        # ready batch. ``_delivered`` is the plan position after the last batch handed out (what
+        # state_dict must record, not what the batcher has read).
         samples = iter(consumer)
         size = self.batch_size
-
-        def make_batch(_: int) -> tuple[Any, int] | None:
-            batch = [transform(s) if transform else s for s in itertools.islice(samples, size)]
-            return (self.collate_fn(batch), consumer.consumed) if batch else None
-
         total = -(-max(len(consumer.plan) - consumer.skip, 0) // size)
+        in_worker = tud.get_worker_info() is not None
+        # The default collation writes batches into a reusable ring (shared with the main process
+        # when this is a DataLoader worker): see datacache._batches.
+        ring = RingCollator(shared=in_worker) if self.collate_fn is collate else None
+
+        def make_batch(i: int) -> tuple[Any, int] | None:
+            batch = [transform(s) if transform else s for s in itertools.islice(samples, size)]
+            if not batch:
+                return None
+            return (ring(batch, last=i == total - 1) if ring else self.collate_fn(batch)), consumer.consumed
+
         batcher: Prefetcher[int, Any] = Prefetcher(range(total), make_batch, config=_BATCH_AHEAD,
                                                    name=f"{consumer.prefetcher.name}-batch")
         self._delivered = consumer.skip
@@ -214,6 +222,8 @@ class StreamingDataset(tud.IterableDataset):
                 yield item[0]
         finally:
             batcher.close()
+            if ring is not None:
+                ring.close()
         self._flush_stats(consumer)
 
     def _flush_stats(self, consumer: Consumer) -> None:

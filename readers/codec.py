@@ -27,7 +27,7 @@ from .base import ReaderError, Sample, Schema
 
 __all__ = [
     "KINDS", "check_schema", "infer_schema", "check_sample", "encode_field", "decode_field",
-    "encode_sample", "decode_sample", "schema_to_json", "schema_from_json",
+    "encode_sample", "decode_sample", "decode_uniform", "schema_to_json", "schema_from_json",
 ]
 
 KINDS = ("bytes", "str", "int", "float", "ndarray")
@@ -148,10 +148,30 @@ def _fixed(kind: str, raw: memoryview, st: struct.Struct) -> Any:
     return st.unpack(raw)[0]
 
 
+# Validated ndarray headers (dtype text, ndim, shape) -> (dtype, shape, data bytes): the samples
+# of a dataset share a handful of headers, so each is parsed and checked once. Bounded.
+_HEADERS: dict[bytes, tuple[np.dtype, tuple[int, ...], int]] = {}
+_MAX_HEADERS = 4096
+
+
 def _decode_ndarray(raw: memoryview) -> np.ndarray:
     n = len(raw)
     if n < 1 or n < 1 + raw[0] + 1:
         raise ReaderError("ndarray field header is truncated")
+    end = 2 + raw[0] + 8 * raw[1 + raw[0]]
+    known = _HEADERS.get(bytes(raw[:end])) if end <= n else None
+    if known is not None and known[2] == n - end and n > end:
+        return np.frombuffer(raw, known[0], offset=end).reshape(known[1])
+    arr = _parse_ndarray(raw)
+    if end <= n:
+        if len(_HEADERS) >= _MAX_HEADERS:
+            _HEADERS.clear()
+        _HEADERS[bytes(raw[:end])] = (arr.dtype, arr.shape, n - end)
+    return arr
+
+
+def _parse_ndarray(raw: memoryview) -> np.ndarray:
+    n = len(raw)
     dlen = raw[0]
     try:
         dtype = np.dtype(bytes(raw[1:1 + dlen]).decode("ascii"))
@@ -232,6 +252,45 @@ def decode_sample(buf: bytes | memoryview, schema: Schema) -> Sample:
     if pos != n:
         raise ReaderError(f"sample has {n - pos} trailing bytes after its last field")
     return sample
+
+
+_FIXED_KINDS = {"int": "<i8", "float": "<f8"}
+
+
+def decode_uniform(block: memoryview, offset: int, length: int, count: int, schema: Schema) -> list[Sample] | None:
+    """Decode ``count`` consecutive samples of ``length`` bytes each from ``block[offset:]`` at
+    once, or None when that fast path does not apply (a bytes/str field, or samples whose field
+    sizes or array headers differ; decode them one by one then).
+
+    The result is exactly what :func:`decode_sample` gives for each sample: sample 0 is decoded
+    (and validated) normally, and every other sample is checked to carry byte-identical length
+    prefixes and array headers, so only the values differ. Arrays are views of ``block``.
+    """
+    if count < 2 or any(kind not in _FIXED_KINDS and kind != "ndarray" for kind in schema.values()):
+        return None
+    first = decode_sample(block[offset:offset + length], schema)
+    rows = np.frombuffer(block, np.uint8, count * length, offset).reshape(count, length)
+    spans: list[tuple[str, str, int, int]] = []  # where each field's value lies in a sample
+    pos = 0
+    for field, kind in schema.items():
+        size = _U64.unpack_from(block, offset + pos)[0]
+        start = pos + 8 + (size - (first[field].nbytes if kind == "ndarray" else 8))
+        # the bytes before the value (length prefix, array header) must equal sample 0's
+        if start > pos and not (rows[1:, pos:start] == rows[0, pos:start]).all():
+            return None
+        pos += 8 + size
+        spans.append((field, kind, start, pos))
+    columns: list[list[Any]] = []
+    for field, kind, start, end in spans:
+        if kind == "ndarray":
+            v0 = first[field]
+            col = rows[:, start:end].view(v0.dtype) if end > start else np.empty((count, 0), v0.dtype)
+            col = col.reshape(count, *v0.shape)
+            columns.append(list(col) if v0.ndim else [col[i, ...] for i in range(count)])  # 0-d stay arrays
+        else:
+            columns.append(rows[:, start:end].view(_FIXED_KINDS[kind]).reshape(count).tolist())
+    names = list(schema)
+    return [dict(zip(names, values)) for values in zip(*columns)]
 
 
 def schema_to_json(schema: Schema) -> str:

@@ -4,7 +4,8 @@ Layout (integers little-endian)::
 
     b"DCZ1"                                   magic
     [dictionary]                              optional zstd dictionary (raw bytes)
-    block 0 .. block B-1                      one zstd frame each (content size + checksum)
+    block 0 .. block B-1                      one zstd frame each (content size + checksum), or the
+                                              raw bytes where zstd would not shrink them (flagged)
     index:  u32 schema_len, u64 dict_offset, u64 dict_length, u64 block_count,
             schema JSON, B x (u64 file_offset, u64 compressed_len, u64 raw_len, u64 first_sample),
             N x (u64 offset_in_block, u64 length)
@@ -12,7 +13,10 @@ Layout (integers little-endian)::
 
 Each block holds the :func:`readers.codec.encode_sample` bytes of consecutive samples (about
 ``block_bytes`` raw; a larger sample gets a block of its own), so ``get(i)`` decompresses one
-block. Every declared size is validated against the file size and ``max_block_bytes`` before
+block. A block that zstd shrinks by less than 1/32 (already-compressed images, audio, random
+bytes) is stored raw, flagged by the top bit of its ``file_offset`` (``RAW_BLOCK``, with compressed_len ==
+raw_len): its samples are read in place, zero-copy views of the mapped file. Compressed blocks are
+decompressed into pooled, reused buffers (``readers._bufpool``). Every declared size is validated against the file size and ``max_block_bytes`` before
 use, and a block is decompressed into a buffer of exactly its validated raw length, so a crafted
 file (or a zstd bomb) raises :class:`ReaderError` instead of allocating unbounded memory.
 
@@ -30,13 +34,14 @@ from typing import Any, Iterator
 import numpy as np
 import zstandard
 
+from ._bufpool import shared_pool
 from .base import ReaderError, Sample, Schema, ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
-from .codec import decode_sample, encode_sample, schema_from_json, schema_to_json
+from .codec import decode_sample, decode_uniform, encode_sample, schema_from_json, schema_to_json
 
 __all__ = ["ZstdShardReader", "ZstdShardWriter", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
-           "DEFAULT_MAX_BLOCK_BYTES"]
+           "DEFAULT_MAX_BLOCK_BYTES", "RAW_BLOCK"]
 
 MAGIC = b"DCZ1"
 DEFAULT_BLOCK_BYTES = 1 << 20
@@ -44,6 +49,8 @@ DEFAULT_MAX_BLOCK_BYTES = 1 << 30
 _FOOTER = struct.Struct("<QQQI4s")
 _HEAD = struct.Struct("<IQQQ")
 _BLOCK_ROW, _SAMPLE_ROW = 32, 16
+RAW_BLOCK = 1 << 63  # flag in a block's file_offset: stored uncompressed
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _HINT_FORMAT = "Check the dataset's 'format' in manifest.json"
 _HINT_CORRUPT = "The file is truncated or corrupt; delete it so the cache fetches it again"
 
@@ -148,8 +155,12 @@ class ZstdShardWriter(_BaseWriter):
         assert self._cctx is not None
         raw = b"".join(self._block)
         frame = self._cctx.compress(raw)
-        self._blocks.extend((self._file.tell(), len(frame), len(raw), self._block_first))
-        self._file.write(frame)
+        if len(frame) <= len(raw) - (len(raw) >> 5):  # zstd saves at least 1/32: keep it
+            self._blocks.extend((self._file.tell(), len(frame), len(raw), self._block_first))
+            self._file.write(frame)
+        else:  # incompressible: stored raw, read in place
+            self._blocks.extend((self._file.tell() | RAW_BLOCK, len(raw), len(raw), self._block_first))
+            self._file.write(raw)
         self._block_first += len(self._block)
         self._block, self._block_size = [], 0
 
@@ -188,8 +199,17 @@ class ZstdShardReader(_BaseReader):
         self._dctx: zstandard.ZstdDecompressor | None = None
         self._size = -1
         self._dict_bytes: bytes | None = None
-        self._cached: tuple[int, bytes] = (-1, b"")
+        self._cached: tuple[int, memoryview] = (-1, memoryview(b""))
         self._ensure_open()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_cached"] = None  # a view of this process's pooled buffer
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["_cached"] = (-1, memoryview(b""))
+        self.__dict__.update(state)
 
     def _corrupt(self, what: str) -> ReaderError:
         return ReaderError(f"corrupt dcz shard: {what}", path=self.path, hint=_HINT_CORRUPT)
@@ -205,7 +225,8 @@ class ZstdShardReader(_BaseReader):
                               f"{MAGIC!r})", path=self.path, hint=_HINT_FORMAT)
         if size < len(MAGIC) + _FOOTER.size:
             raise self._corrupt(f"only {size} bytes, too small for a footer")
-        self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        # MAP_POPULATE: one call maps every page (a shard is read whole), not a fault per page
+        self._mmap = mmap.mmap(self._file.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
         if self._size < 0:
             self._parse(size)
             self._size = size
@@ -218,10 +239,15 @@ class ZstdShardReader(_BaseReader):
 
     def _close_handles(self) -> None:
         if self._mmap is not None:
-            self._mmap.close()
+            self._cached = (-1, memoryview(b""))
+            try:
+                self._mmap.close()
+            except BufferError:  # samples of raw blocks still view it: unmapped when they are gone
+                pass
         if self._file is not None:
             self._file.close()
         self._file = self._mmap = self._dctx = None
+        self._cached = (-1, memoryview(b""))
 
     def _parse(self, size: int) -> None:
         """Read and validate footer and index (all sizes checked before use)."""
@@ -265,6 +291,10 @@ class ZstdShardReader(_BaseReader):
         if not len(blocks):
             return
         off, clen, rlen, first = blocks.T
+        raw = (off & np.uint64(RAW_BLOCK)) != 0
+        off = off & np.uint64(RAW_BLOCK - 1)
+        if (raw & (clen != rlen)).any():
+            raise self._corrupt("a raw block's stored and raw sizes differ")
         with np.errstate(over="ignore"):
             spans_ok = (off >= len(MAGIC)) & (clen >= 1) & (clen <= index_offset) \
                 & (off <= index_offset - clen)
@@ -296,24 +326,48 @@ class ZstdShardReader(_BaseReader):
     def _block_end(self, block: int) -> int:
         return int(self._first[block + 1]) if block + 1 < len(self._first) else self._n
 
-    def _block(self, block: int) -> bytes:
+    def _block(self, block: int) -> memoryview:
+        """Block ``block`` decompressed into a pooled buffer (see ``readers._bufpool``)."""
         if self._cached[0] == block:
             return self._cached[1]
         off, clen, rlen = (int(v) for v in self._blocks[block, :3])
         assert self._mmap is not None and self._dctx is not None
-        frame = self._mmap[off:off + clen]
-        try:
-            declared = zstandard.frame_content_size(frame)
-            if declared != rlen:  # also rejects "unknown size" (-1) frames
-                raise self._corrupt(f"block {block} frame declares {declared} bytes, the index "
-                                    f"{rlen}")
-            data = self._dctx.decompress(frame, allow_extra_data=False)
-        except zstandard.ZstdError as exc:
-            raise self._corrupt(f"block {block} does not decompress ({exc})") from None
-        if len(data) != rlen:
-            raise self._corrupt(f"block {block} decompressed to {len(data)} bytes, not {rlen}")
-        self._cached = (block, data)
-        return data
+        if off & RAW_BLOCK:  # zero-copy: the samples are views of the mapped file
+            off &= RAW_BLOCK - 1
+            view = memoryview(self._mmap)[off:off + rlen]
+            self._cached = (block, view)
+            return view
+        with memoryview(self._mmap) as whole:
+            frame = whole[off:off + clen]
+            try:
+                declared = zstandard.frame_content_size(frame)
+                if declared != rlen:  # also rejects "unknown size" (-1) frames
+                    raise self._corrupt(f"block {block} frame declares {declared} bytes, the index "
+                                        f"{rlen}")
+                out = shared_pool().take(rlen)
+                got, more = self._decompress_into(frame, out)
+            except zstandard.ZstdError as exc:
+                raise self._corrupt(f"block {block} does not decompress ({exc})") from None
+            finally:
+                frame.release()
+        if got != rlen or more:
+            raise self._corrupt(f"block {block} decompresses to {'more than' if more else got} bytes, "
+                                f"not {rlen}")
+        self._cached = (block, out)
+        return out
+
+    def _decompress_into(self, frame: memoryview, out: memoryview) -> tuple[int, bool]:
+        """Decompress one frame into ``out``: (bytes written, whether the frame holds more)."""
+        assert self._dctx is not None
+        with self._dctx.stream_reader(frame, read_size=len(frame), read_across_frames=False,
+                                      closefd=False) as src:
+            got = 0
+            while got < len(out):
+                n = src.readinto(out[got:])
+                if not n:
+                    break
+                got += n
+            return got, bool(src.read(1))
 
     def _decode(self, data: memoryview, offset: int, length: int, index: int) -> Sample:
         try:
@@ -331,10 +385,27 @@ class ZstdShardReader(_BaseReader):
         while i < stop:
             data = memoryview(self._block(block))
             end = min(stop, self._block_end(block))
-            for j, (offset, length) in enumerate(self._samples[i:end].tolist(), i):
-                yield self._decode(data, offset, length, j)
+            rows = self._samples[i:end]
+            fast = self._uniform(data, rows)
+            if fast is not None:
+                yield from fast
+            else:
+                for j, (offset, length) in enumerate(rows.tolist(), i):
+                    yield self._decode(data, offset, length, j)
             i, block = end, block + 1
 
+    def _uniform(self, data: memoryview, rows: np.ndarray) -> list[Sample] | None:
+        """The samples of ``rows`` (consecutive, in one block) decoded at once, if they are
+        equal-sized with identical layouts (see :func:`readers.codec.decode_uniform`)."""
+        if len(rows) < 2 or not (rows[:, 1] == rows[0, 1]).all():
+            return None
+        offset, length = int(rows[0, 0]), int(rows[0, 1])
+        if not (rows[:, 0] == offset + length * np.arange(len(rows), dtype=np.uint64)).all():
+            return None
+        try:
+            return decode_uniform(data, offset, length, len(rows), self.schema or {})
+        except ReaderError:
+            return None  # sample by sample, for the error naming the sample
 
 FORMAT = ShardFormat(name="zstd", extension=".dcz", reader=ZstdShardReader,
                      ShardWriter=ZstdShardWriter)

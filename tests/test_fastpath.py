@@ -1,0 +1,235 @@
+"""The warm read path: raw blocks read in place, uniform blocks decoded at once, pooled buffers,
+readers kept open across runs, and batches in shared-memory rings (datacache._batches)."""
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import readers
+from datacache import NodeCache, StreamingDataset, write_dataset
+from datacache._batches import BatchRing, RingCollator, collate
+from datacache._openshards import OpenShards
+from readers import ReaderError, codec
+from readers import zstd as rzstd
+from readers._bufpool import BufferPool
+
+
+def _image(i: int, side: int = 16) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(i).bytes(side * side * 4), np.uint8).reshape(side, side, 4)
+
+
+def _samples(n: int, side: int = 16) -> list[dict[str, Any]]:
+    return [{"image": _image(i, side), "label": i % 10, "id": i} for i in range(n)]
+
+
+def _write(path: Any, samples: list[dict[str, Any]], **kw: Any) -> str:
+    schema = codec.infer_schema(samples[0])
+    with rzstd.ZstdShardWriter(path, schema, **kw) as w:
+        for s in samples:
+            w.write(s)
+    return str(path)
+
+
+def _check(got: dict[str, Any], i: int, side: int = 16) -> None:
+    assert got["id"] == i and got["label"] == i % 10
+    assert np.array_equal(got["image"], _image(i, side)), f"sample {i}: wrong pixels"
+
+
+# ---------------------------------------------------------------- readers
+def test_incompressible_blocks_are_stored_raw_and_read_in_place(tmp_path: Any) -> None:
+    noisy = _write(tmp_path / "noisy.dcz", _samples(40, side=64), block_bytes=40_000)
+    flat = _write(tmp_path / "flat.dcz", [{"image": np.zeros((16, 16, 4), np.uint8), "label": 1, "id": i}
+                                          for i in range(40)], block_bytes=4096)
+    with rzstd.ZstdShardReader(noisy) as r:
+        assert (r._blocks[:, 0] & np.uint64(rzstd.RAW_BLOCK) != 0).all()
+        got = list(r.iter_range(0, len(r)))
+        assert got[3]["image"].base is not None  # a view of the mapped file, not a copy
+        for i, s in enumerate(got):
+            _check(s, i, side=64)
+    with rzstd.ZstdShardReader(flat) as r:
+        assert not (r._blocks[:, 0] & np.uint64(rzstd.RAW_BLOCK)).any()
+        assert [s["id"] for s in r] == list(range(40))
+    for s in got:  # the reader is closed; its samples still read their (still mapped) bytes
+        assert s["image"].shape == (64, 64, 4)
+    _check(got[39], 39, side=64)
+
+
+def test_raw_block_with_mismatched_sizes_is_rejected(tmp_path: Any) -> None:
+    from array import array
+
+    body = bytearray(rzstd.MAGIC) + codec.encode_sample({"x": b"abc"}, {"x": "bytes"})
+    blocks = array("Q", (4 | rzstd.RAW_BLOCK, len(body) - 4, len(body) - 3, 0))
+    index = rzstd._encode_index({"x": "bytes"}, 0, 0, blocks, array("Q", (0, len(body) - 4)))
+    path = tmp_path / "bad.dcz"
+    path.write_bytes(bytes(body) + index + rzstd._encode_footer(len(body), index, 1))
+    with pytest.raises(ReaderError, match="raw block"):
+        rzstd.ZstdShardReader(path)
+
+
+@pytest.mark.parametrize("other", [
+    {"a": np.zeros((4, 2), np.float32)},   # same bytes, other shape
+    {"a": np.zeros((2, 4), np.int32)},     # same bytes, other dtype
+])
+def test_uniform_decoding_keeps_each_samples_own_header(tmp_path: Any, other: dict[str, Any]) -> None:
+    samples = [{"a": np.arange(8, dtype=np.float32).reshape(2, 4) + i} for i in range(6)]
+    samples[4] = {"a": other["a"] + 4}
+    path = _write(tmp_path / "s.dcz", samples)
+    got = list(readers.open_shard("zstd", path))
+    for g, w in zip(got, samples):
+        assert g["a"].dtype == w["a"].dtype and g["a"].shape == w["a"].shape
+        assert np.array_equal(g["a"], w["a"])
+
+
+def test_uniform_decoding_equals_sample_by_sample(tmp_path: Any) -> None:
+    samples = [{"v": np.float64(i) * np.ones(3), "s": np.array(i, np.int16), "f": i / 3, "n": -i}
+               for i in range(50)]
+    path = _write(tmp_path / "s.dcz", samples, block_bytes=600)
+    with rzstd.ZstdShardReader(path) as r:
+        fast = list(r.iter_range(5, 45))
+        slow = [r.get(i) for i in range(5, 45)]
+    for f, s in zip(fast, slow):
+        assert f.keys() == s.keys()
+        for k in f:
+            assert type(f[k]) is type(s[k]) and np.array_equal(f[k], s[k])
+            assert getattr(f[k], "shape", None) == getattr(s[k], "shape", None)
+
+
+def test_pooled_buffer_is_not_reused_while_a_sample_views_it(tmp_path: Any) -> None:
+    samples = [{"x": np.full(1000, i % 7, np.uint8), "id": i} for i in range(200)]  # compressible
+    path = _write(tmp_path / "s.dcz", samples, block_bytes=8000)
+    with rzstd.ZstdShardReader(path) as r:
+        assert not (r._blocks[:, 0] & np.uint64(rzstd.RAW_BLOCK)).any()
+        held = next(iter(r.iter_range(0, 1)))
+        for _ in range(3):
+            for s in r.iter_range(0, len(r)):
+                assert np.array_equal(s["x"], np.full(1000, s["id"] % 7, np.uint8))
+    assert held["id"] == 0 and np.array_equal(held["x"], np.zeros(1000, np.uint8))
+
+
+def test_buffer_pool_reuses_only_free_buffers() -> None:
+    pool = BufferPool(max_buffers=4)
+    a = pool.take(1000)
+    a[:] = b"a" * 1000
+    b = pool.take(1000)  # a is still referenced: a new buffer
+    assert pool.allocated == 2 and bytes(a) == b"a" * 1000
+    del a
+    c = pool.take(900)
+    assert pool.reused == 1 and len(c) == 900
+    del b, c
+
+
+def test_open_shards_reuses_a_reader_until_its_file_changes(tmp_path: Any) -> None:
+    fmt = readers.get_format("zstd")
+    path = _write(tmp_path / "s.dcz", _samples(5))
+    shards = OpenShards(max_open=2)
+    r1 = shards.checkout(fmt, path, {})
+    shards.checkin(fmt, path, r1, {})
+    assert shards.checkout(fmt, path, {}) is r1
+    shards.checkin(fmt, path, r1, {})
+    tmp = _write(tmp_path / "t.dcz", _samples(7))
+    os.replace(tmp, path)  # how the cache replaces an entry: a new file
+    r2 = shards.checkout(fmt, path, {})
+    assert r2 is not r1 and len(r2) == 7
+    shards.checkin(fmt, path, r2, {})
+    os.unlink(path)
+    other = _write(tmp_path / "o.dcz", _samples(3))
+    r3 = shards.checkout(fmt, other, {})  # sweeps the reader of the deleted file
+    assert r2._closed and shards._idle == {}
+    shards.checkin(fmt, other, r3, {})
+    shards.close()
+    assert r3._closed
+
+
+# ---------------------------------------------------------------- collation and rings
+def test_collate_fields() -> None:
+    samples = [{"i": k, "f": k / 2, "b": bool(k % 2), "s": str(k), "a": np.ones((2, 3)) * k,
+                "r": np.ones(k + 1)} for k in range(4)]
+    out = collate(samples)
+    assert list(out) == ["i", "f", "b", "s", "a", "r"]
+    assert out["i"].dtype == torch.int64 and out["i"].tolist() == [0, 1, 2, 3]
+    assert out["f"].dtype == torch.float64 and out["f"].tolist() == [0, 0.5, 1, 1.5]
+    assert out["b"] == [False, True, False, True] and out["s"] == ["0", "1", "2", "3"]
+    assert out["a"].shape == (4, 2, 3) and float(out["a"][3, 1, 2]) == 3.0
+    assert isinstance(out["r"], list) and len(out["r"][3]) == 4
+
+
+def test_ring_slot_is_reused_only_when_every_tensor_is_gone() -> None:
+    ring = RingCollator(shared=False, slots=2)
+    first = ring(_samples(8)[:4])
+    view = first["image"][1:3]  # a view keeps the whole slot
+    del first
+    gc.collect()
+    later = [ring(_samples(8)[4:]) for _ in range(3)]  # one slot free: then plain memory
+    assert ring.ring is not None and ring.ring.fallbacks == 2
+    for i, s in enumerate(view):
+        assert torch.equal(s, torch.from_numpy(_image(i + 1).copy()))
+    del view, later
+    gc.collect()
+    before = ring.ring.published
+    batch = ring(_samples(4))
+    assert ring.ring.published == before + 1
+    assert torch.equal(batch["image"][2], torch.from_numpy(_image(2).copy()))
+
+
+def test_ring_falls_back_for_a_larger_batch() -> None:
+    ring = RingCollator(shared=False)
+    ring(_samples(2))
+    big = ring(_samples(64))
+    assert ring.ring is not None and ring.ring.fallbacks == 1
+    assert big["id"].tolist() == list(range(64))
+
+
+def _dead_pid() -> int:
+    p = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+    p.start()
+    p.join()
+    return p.pid
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_shared_ring_file_left_by_killed_processes_is_removed() -> None:
+    dead = _dead_pid()
+    stale = f"/dev/shm/datacache-batch-{dead}-{dead}-0"
+    with open(stale, "wb") as f:
+        f.write(b"x")
+    ring = BatchRing(4096, 2, shared=True)
+    assert not os.path.exists(stale)
+    assert ring.path is not None and os.path.exists(ring.path)
+    ring.close()  # nothing published: removed at once
+    assert not os.path.exists(ring.path)
+
+
+def _ring_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("datacache-batch-")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_through_rings_are_exact_even_when_all_are_kept(tmp_path: Any, cache: NodeCache,
+                                                                workers: int) -> None:
+    url = f"file://{tmp_path}/ds"
+    write_dataset(iter(_samples(300, side=24)), url, shard_bytes=40_000, progress=False)
+    before = _ring_files()
+    ds = StreamingDataset(url, cache=cache, batch_size=4, seed=3)  # ~38 batches per worker, 16 slots
+    loader = DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        kept = [b for b in loader]  # more batches than ring slots: later ones fall back, none is overwritten
+        ids = [i for b in kept for i in b["id"].tolist()]
+        assert sorted(ids) == list(range(300))
+        for b in kept:
+            assert isinstance(b["image"], torch.Tensor) and b["image"].shape[1:] == (24, 24, 4)
+            for i, img, label in zip(b["id"].tolist(), b["image"], b["label"].tolist()):
+                assert label == i % 10 and torch.equal(img, torch.from_numpy(_image(i, 24).copy())), f"sample {i}"
+        del kept
+    del loader
+    gc.collect()
+    ds.close()
+    assert _ring_files() <= before, "a batch ring file was left in /dev/shm"
