@@ -13,8 +13,10 @@ next use of every shard for clairvoyant eviction. Steps:
    and, since the worker split below is the same everywhere, yields the same number of batches.
 3. Workers: a rank's part is cut into ``num_workers`` contiguous parts (sizes differ by at most 1).
 4. Sliding-window shuffle: a worker's samples form *runs* (consecutive samples of one shard). Each
-   sample of run ``r`` gets the key ``r + U[0, 1) * window`` and samples are read in key order, so
-   a sample may move anywhere across ``window`` consecutive runs. Reading is a pipeline of *steps*:
+   sample of run ``r`` gets the key ``r + U[0, 1) * min(window, (R - r + 1) / 2)`` (``R`` runs)
+   and samples are read in key order, so a sample may move anywhere across ``window`` consecutive
+   runs (fewer for the last ``2 * window`` runs: the last step then holds 1.33 runs, not 2.5, and
+   a link-bound epoch ends soon after its last shard arrives). Reading is a pipeline of *steps*:
    step ``i`` reads the keys in ``[i, i + 1)``, which come only from runs ``i - window + 1 .. i``,
    so run ``i`` must be local when step ``i`` begins and can be released after step
    ``i + window - 1``. The consumer starts after its first shard (not after a whole window) and
@@ -170,7 +172,11 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
     keys = run_of.astype(np.float64)
     if spec.shuffle:
         rng = np.random.default_rng([spec.seed, spec.epoch, 1, spec.dp_rank, spec.worker_id])
-        keys += rng.random(len(piece)) * window
+        # The last runs spread over fewer steps (run r over min(window, (R - r + 1) / 2)), so that
+        # little is left to read once the last shard has arrived: (window + 1) / 2 runs otherwise
+        # (2.5 for 4; 1.33 so), which a link-bound epoch pays as an idle tail.
+        spread = np.minimum(float(window), (len(runs) - run_of + 1) / 2)
+        keys += rng.random(len(piece)) * spread
     perm = np.argsort(keys, kind="stable")
     steps = np.searchsorted(keys[perm], np.arange(len(runs) + window), side="left")
     return ConsumerPlan(runs, steps, piece[perm], run_of[perm], len(piece), window, padded, starts)

@@ -22,7 +22,7 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
   batch (sleep), empty cache.  warm: a fill epoch, then the measured epoch from the full cache.
 - limited: cache budget C = D/2, 3 reshuffled epochs: remote bytes per epoch against D - C.
 - ranks: ``torchrun --nproc_per_node=2`` (gloo) x 2 workers, cold: the node's remote bytes.
-- small: 100 MB of 1 KiB samples, batch 256, warm, no compute: samples/s (each system's fast path).
+- small: 100 MB of 1 KiB samples, batch 256, warm, no compute: samples/s.
 - raw: warm, no compute, 64 KiB samples: GB/s against the memcpy bound.
 
 Bounds, measured in the same run: link = needed bytes / bandwidth; compute = batches x step time;
@@ -60,6 +60,9 @@ VARIANTS = {"datacache": ("default",), "streaming": ("default", "tuned"), "litda
             "fsspec": ("default",)}
 SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw")
 RUNNER = os.path.join(ROOT, "tools", "bench_systems.py")
+# A new tag when a system's written format changes, so DIR/s3 never serves a stale layout
+# (datacache: incompressible blocks stored raw since the raw-block format).
+FORMAT_TAGS = {"datacache": "datacache-rawblocks"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -111,11 +114,11 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
     small = name == "small"
     sc = {"name": name, "dataset": "small" if small else "main",
           "batch_size": a.small_batch_size if small else a.batch_size, "workers": a.workers, "compute": a.compute,
-          "phases": ["measured"], "ranks": 1, "fast": False, "cache_bytes": None}
+          "phases": ["measured"], "ranks": 1, "cache_bytes": None}
     if name in ("warm", "small", "raw"):
         sc["phases"] = ["fill", "measured"]
     if name in ("small", "raw"):
-        sc.update(compute=0.0, fast=True)
+        sc["compute"] = 0.0
     if name == "limited":
         sc["phases"] = ["measured"] * 3
     if name == "ranks":
@@ -227,7 +230,7 @@ def ensure_datasets(a: argparse.Namespace, server: Any, systems: list[str], data
             fmt = "datacache" if system == "fsspec" else system
             key = f"{fmt}/{ds}"
             if key not in out:
-                prefix = f"{server.bucket}/{fmt}-{n}x{sb}-{a.shard_bytes}"
+                prefix = f"{server.bucket}/{FORMAT_TAGS.get(fmt, fmt)}-{n}x{sb}-{a.shard_bytes}"
                 meta_path = f"{prefix}/bench-meta.json"
                 if fs.exists(meta_path):
                     info = json.loads(fs.cat_file(meta_path))

@@ -10,8 +10,9 @@ needs none of them.
 
 Systems (each with its defaults; ``tuned`` changes the one documented setting):
 
-- ``datacache``: ``StreamingDataset`` + ``DataLoader(persistent_workers=True)``; in the ``fast``
-  scenarios (small, raw) its batched mode ``StreamingDataset(batch_size=B)`` + ``batch_size=None``.
+- ``datacache``: its documented usage, batched mode: ``StreamingDataset(batch_size=B)`` +
+  ``DataLoader(batch_size=None, persistent_workers=True)`` (batches are collated in the worker into a
+  shared-memory ring and cross to the main process without a copy; see ``datacache._batches``).
 - ``streaming`` (mosaicml-streaming): MDS shards (``MDSWriter``, no compression), S3 through boto3
   (``S3_ENDPOINT_URL``); tuned: ``predownload`` = 4 shards of samples per worker (default 8 x batch),
   or, with a cache limit C, ``shuffle_block_size`` = the samples of C/2 (the default py1e blocks of
@@ -174,10 +175,6 @@ def _lit_sample(arg: tuple[int, int]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- loaders
-def _fast(spec: dict[str, Any]) -> bool:
-    return bool(spec["scenario"].get("fast"))
-
-
 def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[], dict[str, Any]], Callable[[], None]]:
     """(loader, set_epoch, stats, close) for the spec's system and scenario."""
     sc, system = spec["scenario"], spec["system"]
@@ -189,11 +186,9 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
 
         cfg = datacache.CacheConfig(ram_dir=os.path.join(cache_dir, "ram"), ssd_dir=spec["ssd_dir"],
                                     **({"ram_bytes": C, "ssd_bytes": 0} if C else {}))
-        fast = _fast(spec)
         ds = datacache.StreamingDataset(spec["url"], storage_options=spec["storage_options"], cache=cfg,
-                                        shuffle=True, seed=0, batch_size=bs if fast else None)
-        loader = tud.DataLoader(ds, batch_size=None if fast else bs, num_workers=workers,
-                                persistent_workers=workers > 0)
+                                        shuffle=True, seed=0, batch_size=bs)
+        loader = tud.DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
         return loader, ds.set_epoch, ds.stats, ds.close
     if system == "streaming":
         import streaming
@@ -293,7 +288,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     wait, first, aborted = 0.0, None, None
     batches = samples = 0
     it = None
-    stop, tripped, timeline = threading.Event(), [], []
+    stop, tripped, timeline, arrivals = threading.Event(), [], [], []
 
     def watchdog() -> None:  # samples the link; interrupts the loop (even in next()) once the epoch thrashes
         while not stop.wait(0.25):
@@ -316,6 +311,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
                 break
             wait += time.perf_counter() - ta
             first = time.perf_counter() - t0 if first is None else first
+            arrivals.append(round(time.perf_counter() - t0, 4))
             samples += _batch_len(batch)
             batches += 1
             if compute:
@@ -332,7 +328,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     m1 = meter(meter_url)
     return {"wall": wall, "own_wall": own, "wait": wait, "first_batch": first, "compute": batches * compute,
             "batches": batches, "samples": samples, "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
-            "requests": m1["requests"] - m0["requests"], "link_timeline": timeline,
+            "requests": m1["requests"] - m0["requests"], "link_timeline": timeline, "batch_times": arrivals,
             **({"aborted": aborted} if aborted else {})}
 
 

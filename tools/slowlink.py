@@ -4,7 +4,10 @@
   connection, or the first client bytes after the server started a response) are held back
   ``latency`` seconds before being forwarded;
 * one bandwidth cap (bytes/s) shared by all connections in the server->client direction, enforced
-  by FIFO reservations on a virtual clock, in chunks of at most 64 KiB so connections share fairly;
+  by FIFO reservations on a virtual clock, in chunks of at most 64 KiB so connections share fairly.
+  The clock is a token bucket ``BURST`` bytes deep: when the proxy thread was not scheduled in time
+  (a busy 2-core machine) the link catches up by at most that much, so a saturated link delivers
+  its nominal rate, and no window longer than ``BURST / bandwidth`` (2.6 ms at 50 MB/s) exceeds it;
 * metering: ``bytes_down``, ``bytes_up``, ``requests`` (HTTP request starts), ``gets``;
 * fault injection, settable at any time: ``fail_every`` (every Nth request gets an immediate
   ``503 Slow Down`` with an S3 XML body and ``Connection: close``, never reaching the server),
@@ -39,6 +42,7 @@ from typing import Any
 __all__ = ["SlowLink"]
 
 CHUNK = 64 * 1024
+BURST = 2 * CHUNK
 RESET_AFTER = 4096  # bytes of a response forwarded before an injected reset
 
 
@@ -209,7 +213,7 @@ class SlowLink:
         if not rate or rate <= 0 or math.isinf(rate):
             return
         now = time.monotonic()
-        start = max(now, self._next_free)
+        start = max(now - BURST / rate, self._next_free)
         self._next_free = start + n / rate
         if self._next_free > now:
             await asyncio.sleep(self._next_free - now)
