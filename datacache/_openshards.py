@@ -4,8 +4,8 @@ Opening a 16 MB cached shard costs little, but mapping its pages costs about 0.4
 page, as much as copying them again. A process that reads the same cached shards every epoch
 keeps their readers (and mappings) here, keyed by path and checked against the file's identity
 (inode, size, mtime) at every use: an entry the cache has replaced or evicted is closed, never
-read. Mappings of files the cache has since deleted are closed at the next ``checkout``, so
-they hold no memory the cache has given back for longer than one run.
+read. Mappings of files the cache has since deleted are closed by a sweep at most once a second
+(at a ``checkout`` or ``checkin``), so they hold memory the cache has given back only that long.
 
 Thread-safe: a reader is checked out by one thread at a time (readers are not thread-safe) and
 checked back in when that thread is done; the lock is never held while a file is opened or read.
@@ -16,6 +16,7 @@ import atexit
 import collections
 import os
 import threading
+import time
 from typing import Any
 
 import readers
@@ -26,8 +27,9 @@ __all__ = ["OpenShards", "open_shards"]
 class OpenShards:
     """Up to ``max_open`` idle readers of local shard files (see the module docstring)."""
 
-    def __init__(self, max_open: int = 64) -> None:
-        self.max_open = max_open
+    def __init__(self, max_open: int = 64, sweep_every: float = 1.0) -> None:
+        self.max_open, self.sweep_every = max_open, sweep_every
+        self._swept = 0.0
         self._idle: collections.OrderedDict[tuple[str, str], tuple[Any, tuple[int, int, int]]] = \
             collections.OrderedDict()
         self._lock = threading.Lock()
@@ -38,7 +40,7 @@ class OpenShards:
         key = (fmt.name, path)
         with self._lock:
             entry = self._idle.pop(key, None) if not options else None
-            idle = [(k, ident) for k, (_, ident) in self._idle.items()]
+            idle = self._due()
         for r in self._drop_stale(idle):
             r.close()
         if entry is not None:
@@ -58,9 +60,17 @@ class OpenShards:
             old = self._idle.pop((fmt.name, path), None)
             self._idle[(fmt.name, path)] = (reader, reader._datacache_identity)
             over = [self._idle.popitem(last=False)[1][0] for _ in range(len(self._idle) - self.max_open)]
-            idle = [(k, ident) for k, (_, ident) in self._idle.items()]
+            idle = self._due()
         for r in ([old[0]] if old else []) + over + self._drop_stale(idle):
             r.close()
+
+    def _due(self) -> list[tuple[tuple[str, str], tuple[int, int, int]]]:
+        """The idle entries to check now: all of them, once per ``sweep_every`` (under the lock)."""
+        now = time.monotonic()
+        if now - self._swept < self.sweep_every:
+            return []
+        self._swept = now
+        return [(k, ident) for k, (_, ident) in self._idle.items()]
 
     def _drop_stale(self, idle: list[tuple[tuple[str, str], tuple[int, int, int]]]) -> list[Any]:
         """Take out the idle readers whose file is gone or replaced (``stat`` outside the lock)."""

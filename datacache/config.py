@@ -137,6 +137,9 @@ class PrefetchConfig:
     Starts at ``threads`` workers and ``lookahead_bytes`` of plan ahead of the consumer; when the
     consumer waits it adds one thread and grows the lookahead (additive increase), when it has not
     waited for a while it halves them (multiplicative decrease), never beyond the ``max_*`` caps.
+    ``nice``: added to the niceness of these threads (Linux sets it per thread), so that when the
+    CPU is short they yield it to the training loop instead of delaying its next step; 0 leaves
+    them at the process's priority.
     """
 
     threads: int = 4
@@ -144,6 +147,7 @@ class PrefetchConfig:
     lookahead_bytes: int | str = "256MB"
     max_lookahead_bytes: int | str = "2GB"
     adaptive: bool = True
+    nice: int = 5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lookahead_bytes", parse_size(self.lookahead_bytes))

@@ -38,7 +38,7 @@ from .storage import Store, open_store
 __all__ = ["StreamingDataset"]
 
 _STATE_VERSION = 1
-_BATCH_AHEAD = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=2, max_lookahead_bytes=2, adaptive=False)
+_BATCH_AHEAD = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=4, max_lookahead_bytes=4, adaptive=False)
 
 
 def _shared_int() -> torch.Tensor:

@@ -20,6 +20,8 @@ traceback. ``close()`` is idempotent, wakes every thread, releases unconsumed re
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +30,17 @@ from typing import Any, Generic, TypeVar
 from .config import PrefetchConfig
 
 __all__ = ["Prefetcher"]
+
+
+def _lower_priority(nice: int) -> None:
+    """Make the calling thread ``nice`` steps nicer (Linux: per thread; elsewhere a no-op)."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -45,7 +58,10 @@ class Prefetcher(Generic[T, R]):
         self._load, self._size_of, self._release = load, size_of, release
         self.config = config or PrefetchConfig()
         self.name = name
+        # One lock, two conditions: loaders wait for room (woken by takes), the consumer waits for
+        # its result (woken by completions), so neither wakes the other side's idle threads.
         self._cond = threading.Condition()
+        self._ready = threading.Condition(self._cond._lock)  # type: ignore[attr-defined]
         self._results: dict[int, tuple[bool, Any]] = {}
         self._next_start = 0      # next index a thread will load
         self._next_take = 0       # next index the consumer takes
@@ -77,6 +93,7 @@ class Prefetcher(Generic[T, R]):
         return self._started_bytes + self._size_of(self._items[self._next_start]) <= self.lookahead
 
     def _run(self, slot: int) -> None:
+        _lower_priority(self.config.nice)
         while True:
             with self._cond:
                 while not self._may_start(slot):
@@ -95,7 +112,8 @@ class Prefetcher(Generic[T, R]):
                     self._discard(result)
                 else:
                     self._results[i] = result
-                self._cond.notify_all()
+                if i == self._next_take or self._closed:
+                    self._ready.notify()
 
     def _discard(self, result: tuple[bool, Any]) -> None:
         if result[0] and self._release is not None:
@@ -122,7 +140,7 @@ class Prefetcher(Generic[T, R]):
                 raise StopIteration
             t0 = time.perf_counter()
             while i not in self._results:
-                self._cond.wait()
+                self._ready.wait()
                 if self._closed:
                     raise RuntimeError(f"{self.name} was closed while waiting")
             waited = time.perf_counter() - t0
@@ -170,6 +188,7 @@ class Prefetcher(Generic[T, R]):
             self._closed = True
             pending, self._results = self._results, {}
             self._cond.notify_all()
+            self._ready.notify_all()
         for result in pending.values():
             self._discard(result)
         deadline = time.monotonic() + timeout

@@ -128,7 +128,7 @@ def test_buffer_pool_reuses_only_free_buffers() -> None:
 def test_open_shards_reuses_a_reader_until_its_file_changes(tmp_path: Any) -> None:
     fmt = readers.get_format("zstd")
     path = _write(tmp_path / "s.dcz", _samples(5))
-    shards = OpenShards(max_open=2)
+    shards = OpenShards(max_open=2, sweep_every=0)
     r1 = shards.checkout(fmt, path, {})
     shards.checkin(fmt, path, r1, {})
     assert shards.checkout(fmt, path, {}) is r1

@@ -106,7 +106,7 @@ def targets(sc: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> st
             checks.append((dc["wall"] < best, f"{'ahead of' if dc['wall'] < best else 'behind'} {family} "
                                               f"({best / dc['wall']:.2f}x)"))
         elif any(p.get("aborted") for name, p in peers.items() if name.split("+")[0] == family):
-            checks.append((True, f"ahead of {family} (thrashed)"))
+            checks.append((True, f"ahead of {family} (aborted)"))
         else:
             checks.append((True, f"{family} n/a"))
     ok = all(c for c, _ in checks)
@@ -163,7 +163,8 @@ def write_report(out: str, records: list[dict[str, Any]], *, command: str, setti
             "`shuffle_block_size` = samples of C/2), litdata `max_pre_download=8`; work-arounds (stub torchvision/"
             "transformers imports for streaming, obstore `allow_http` for litdata, streaming's boto3 client "
             "dropped before the workers fork) are documented in tools/bench_systems.py",
-            "- a run that pulls more than 8 x D in one epoch is stopped and reported as aborted (thrashing)\n"]
+            "- a run that pulls more than 8 x D in one epoch (thrashing), or moves no batch and no byte for 90 s "
+            "(stalled), is stopped and reported as aborted\n"]
     text = "\n".join(head) + "\n" + t + "\n"
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)

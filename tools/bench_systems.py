@@ -273,6 +273,9 @@ def meter(url: str) -> dict[str, int]:
         return json.loads(r.read())
 
 
+STALL_S = 90.0
+
+
 def _batch_len(batch: Any) -> int:
     v = batch["id"] if isinstance(batch, dict) else batch[0]
     return len(v)
@@ -290,12 +293,19 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     it = None
     stop, tripped, timeline, arrivals = threading.Event(), [], [], []
 
-    def watchdog() -> None:  # samples the link; interrupts the loop (even in next()) once the epoch thrashes
+    def watchdog() -> None:  # samples the link; interrupts the loop (even in next()) once the epoch
+        last = (0, 0, time.perf_counter())  # thrashes, or stalls (no batch and no byte for STALL_S)
         while not stop.wait(0.25):
             pulled = meter(meter_url)["bytes_down"] - m0["bytes_down"]
-            timeline.append((round(time.perf_counter() - t0, 3), pulled))
+            now = time.perf_counter()
+            timeline.append((round(now - t0, 3), pulled))
             if pulled > max_bytes:
-                tripped.append(pulled)
+                tripped.append(f"{pulled / 1e6:.0f} MB pulled this epoch (thrashing)")
+            elif (pulled, len(arrivals)) != last[:2]:
+                last = (pulled, len(arrivals), now)
+            elif now - last[2] > STALL_S:
+                tripped.append(f"no batch and no byte for {STALL_S:.0f} s (stalled)")
+            if tripped:
                 _thread.interrupt_main()
                 return
 
@@ -319,7 +329,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     except KeyboardInterrupt:
         if not tripped:
             raise
-        aborted = f"stopped after {batches} batches: {tripped[0] / 1e6:.0f} MB pulled this epoch (thrashing)"
+        aborted = f"stopped after {batches} batches: {tripped[0]}"
     finally:
         stop.set()
     own = time.perf_counter() - t0
