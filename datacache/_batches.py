@@ -21,7 +21,8 @@ not wait: the batch is collated into ordinary memory (``ring.fallbacks`` counts 
 Files: a worker's ring is a file in ``/dev/shm`` (only a tmpfs, only with twice its size free),
 named ``datacache-batch-<main pid>-<worker pid>-<n>``. The consumer unlinks it when it attaches;
 a ring whose batches were never received is unlinked when its worker exits, and one left by a
-killed process is removed by the next ring created on the node. In the main process (no
+killed process is removed by the next ring created on the node. A worker keeps its ring for all
+its epochs (persistent workers): an epoch starts with warm, mapped slots. In the main process (no
 DataLoader workers) the ring is anonymous memory.
 
 Thread safety: a ring is filled by one producer thread; slots are freed from any thread.
@@ -147,7 +148,6 @@ class BatchRing:
         self.size = _PAGE + slots * self.slot_bytes
         self.path: str | None = None
         self.fallbacks = self.published = 0
-        self._last = False
         if shared:
             self.path = _create_file(self.size)
             with open(self.path, "r+b") as f:
@@ -187,17 +187,13 @@ class BatchRing:
         self.published += 1
         if self.path is None:
             return _tensors(self._state, self._mm, self._offset(slot), slot, fields, rest, order)
-        last, self._last = self._last, False
-        return ShmBatch(self.path, self.size, self._offset(slot), slot, fields, rest, order, last)
+        return ShmBatch(self.path, self.size, self._offset(slot), slot, fields, rest, order)
 
     @property
     def attached(self) -> bool:
         """Whether the consumer has mapped this ring (shared rings only)."""
         return self.path is not None and self._mm[_ATTACHED_BYTE] == _ATTACHED
 
-    def mark_last(self) -> None:
-        """The next published batch is the ring's last: the consumer forgets the ring with it."""
-        self._last = True
 
     def close(self) -> None:
         """Stop producing. The mapping stays open until the ring is garbage: batches may still be
@@ -208,20 +204,19 @@ class BatchRing:
 
 class RingCollator:
     """``collate`` into a :class:`BatchRing` made at the first batch and sized for it (``shared``:
-    a file in ``/dev/shm`` for a DataLoader worker; else anonymous memory). Falls back to plain
+    a file in ``/dev/shm`` for a DataLoader worker; else anonymous memory), kept for the process's
+    later epochs (``pid`` tells a forked child not to use its parent's). Falls back to plain
     collation when the ring cannot be made (no tmpfs, not enough free space). One producer thread."""
 
     def __init__(self, *, shared: bool, slots: int = 16) -> None:
-        self.shared, self.slots = shared, slots
+        self.shared, self.slots, self.pid = shared, slots, os.getpid()
         self.ring: BatchRing | None = None
         self._tried = False
 
-    def __call__(self, samples: list[dict[str, Any]], last: bool = False) -> Any:
+    def __call__(self, samples: list[dict[str, Any]]) -> Any:
         if not self._tried:
             self._tried = True
             self.ring = self._make(plan_layout(samples)[1])
-        if last and self.ring is not None:
-            self.ring.mark_last()
         return collate(samples, self.ring)
 
     def _make(self, nbytes: int) -> BatchRing | None:
@@ -244,8 +239,8 @@ class ShmBatch:
     the tensors)."""
 
     def __init__(self, path: str, size: int, offset: int, slot: int, fields: Layout, rest: dict[str, Any],
-                 order: list[str], last: bool) -> None:
-        self.args = (path, size, offset, slot, fields, rest, order, last)
+                 order: list[str]) -> None:
+        self.args = (path, size, offset, slot, fields, rest, order)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         return _attach, self.args
@@ -292,15 +287,16 @@ def _tensors(state: _SlotState, mm: mmap.mmap, base: int, slot: int, fields: Lay
 
 
 # ---------------------------------------------------------------- consumer side (main process)
-# Attached rings by producer pid: a producer fills its rings one after another and its batches
-# arrive in order, so its new ring means no batch of its previous one is still to come. An entry
-# also goes with its ring's last batch, or when its producer has exited.
+# Attached rings by producer pid. A producer (a DataLoader worker) keeps one ring for its life, or
+# makes a new one after it, and its batches arrive in order: its new ring means no batch of the
+# previous one is still to come. Entries of producers that have exited are dropped whenever a new
+# ring is attached; the mapping itself lasts while any of its tensors does.
 _ATTACHED_RINGS: dict[int, tuple[str, _SlotState]] = {}
 _RINGS_LOCK = threading.Lock()
 
 
 def _attach(path: str, size: int, offset: int, slot: int, fields: Layout, rest: dict[str, Any],
-            order: list[str], last: bool) -> dict[str, Any]:
+            order: list[str]) -> dict[str, Any]:
     """Unpickle a :class:`ShmBatch`: map its ring once (and unlink the file), return its tensors."""
     producer = int(_NAME.match(os.path.basename(path)).group(2))  # type: ignore[union-attr]
     with _RINGS_LOCK:
@@ -312,8 +308,6 @@ def _attach(path: str, size: int, offset: int, slot: int, fields: Layout, rest: 
             _unlink(path)
             for pid in [p for p in _ATTACHED_RINGS if p != producer and not _alive(p)]:
                 del _ATTACHED_RINGS[pid]
-        if last:
-            del _ATTACHED_RINGS[producer]
     state = entry[1]
     return _tensors(state, state.mm, offset, slot, fields, rest, order)
 

@@ -103,6 +103,7 @@ class StreamingDataset(tud.IterableDataset):
         self._epoch_explicit = False  # set_epoch was called (a DataLoader worker inherits this)
         self._resume: dict[str, Any] | None = None
         self._consumer: Consumer | None = None
+        self._collator: RingCollator | None = None
         self._worker = (0, 1)
 
     # ------------------------------------------------------------------ plan
@@ -203,13 +204,13 @@ class StreamingDataset(tud.IterableDataset):
         in_worker = tud.get_worker_info() is not None
         # The default collation writes batches into a reusable ring (shared with the main process
         # when this is a DataLoader worker): see datacache._batches.
-        ring = RingCollator(shared=in_worker) if self.collate_fn is collate else None
+        ring = self._ring(shared=in_worker) if self.collate_fn is collate else None
 
-        def make_batch(i: int) -> tuple[Any, int] | None:
+        def make_batch(_: int) -> tuple[Any, int] | None:
             batch = [transform(s) if transform else s for s in itertools.islice(samples, size)]
             if not batch:
                 return None
-            return (ring(batch, last=i == total - 1) if ring else self.collate_fn(batch)), consumer.consumed
+            return (ring(batch) if ring else self.collate_fn(batch)), consumer.consumed
 
         batcher: Prefetcher[int, Any] = Prefetcher(range(total), make_batch, config=_BATCH_AHEAD,
                                                    name=f"{consumer.prefetcher.name}-batch")
@@ -222,9 +223,14 @@ class StreamingDataset(tud.IterableDataset):
                 yield item[0]
         finally:
             batcher.close()
-            if ring is not None:
-                ring.close()
         self._flush_stats(consumer)
+
+    def _ring(self, shared: bool) -> RingCollator:
+        """This process's batch ring, kept across epochs (a forked worker makes its own)."""
+        ring = self._collator
+        if ring is None or ring.pid != os.getpid() or ring.shared != shared:
+            ring = self._collator = RingCollator(shared=shared)
+        return ring
 
     def _flush_stats(self, consumer: Consumer) -> None:
         p = consumer.decoder
@@ -307,10 +313,13 @@ class StreamingDataset(tud.IterableDataset):
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+        if self._collator is not None and self._collator.pid == os.getpid():
+            self._collator.close()
+            self._collator = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_consumer"] = None
+        state["_consumer"] = state["_collator"] = None
         return state
 
     def __del__(self) -> None:
