@@ -93,7 +93,7 @@ def run_epoch(ds: Any, loader: Any, epoch: int, step: Any, meter: Any) -> dict[s
     waits, computes = [], []
     remote0 = meter()
     t_start = time.perf_counter()
-    bar = tqdm(total=-(-len(ds) // loader.batch_size), desc=f"epoch {epoch + 1}", unit="batch", dynamic_ncols=True)
+    bar = tqdm(total=len(ds), desc=f"epoch {epoch + 1}", unit="batch", dynamic_ncols=True)  # batched mode: batches
     it = iter(loader)
     samples = 0
     while True:
@@ -183,11 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep_cache:
             cache.clear()
         cache.reset_stats()
-        ds = datacache.StreamingDataset(url, storage_options=opts, cache=cache, seed=0)
+        ds = datacache.StreamingDataset(url, storage_options=opts, cache=cache, seed=0, batch_size=args.batch_size)
         stack.callback(ds.close)
         if meter is None:
             meter = lambda: ds.cache.stats()["remote_bytes"]  # noqa: E731
-        loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers,
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers,  # batched mode
                                              persistent_workers=args.workers > 0)
         compute = args.compute
         if compute == "model" and not (ds.manifest.schema.get("image") == "ndarray" and ds.manifest.schema.get("label") == "int"):
