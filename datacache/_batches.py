@@ -29,7 +29,6 @@ Thread safety: a ring is filled by one producer thread; slots are freed from any
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import math
 import mmap
@@ -125,7 +124,13 @@ def collate(samples: list[dict[str, Any]], ring: "BatchRing | None" = None) -> A
     else:
         assert ring is not None
         arrays = [ring.view(slot, f) for f in fields]
-    _fill(fields, arrays, samples)
+    try:
+        _fill(fields, arrays, samples)
+    except BaseException:
+        if slot is not None:
+            assert ring is not None
+            ring.abandon(slot)
+        raise
     fixed = {f.key for f in fields}
     rest = {k: [s[k] for s in samples] for k in samples[0] if k not in fixed}
     if slot is not None:
@@ -194,6 +199,13 @@ class BatchRing:
         """Whether the consumer has mapped this ring (shared rings only)."""
         return self.path is not None and self._mm[_ATTACHED_BYTE] == _ATTACHED
 
+    def abandon(self, slot: int) -> None:
+        """Give back a slot that was acquired but will not be published (its batch failed)."""
+        self._mm[slot] = _FREE
+
+    def in_use(self) -> int:
+        """Slots currently held (by batches being filled or not yet freed by their consumer)."""
+        return self.slots - self._mm[:self.slots].count(bytes([_FREE]))
 
     def close(self) -> None:
         """Stop producing. The mapping stays open until the ring is garbage: batches may still be

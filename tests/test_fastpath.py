@@ -178,6 +178,17 @@ def test_ring_slot_is_reused_only_when_every_tensor_is_gone() -> None:
     assert torch.equal(batch["image"][2], torch.from_numpy(_image(2).copy()))
 
 
+def test_failed_batch_gives_its_slot_back() -> None:
+    ring = RingCollator(shared=False, slots=2)
+    ring(_samples(4))
+    bad = _samples(4)
+    bad[2]["id"] = 2 ** 70  # does not fit the int64 column
+    with pytest.raises(OverflowError):
+        ring(bad)
+    gc.collect()
+    assert ring.ring is not None and ring.ring.in_use() == 0
+
+
 def test_ring_falls_back_for_a_larger_batch() -> None:
     ring = RingCollator(shared=False)
     ring(_samples(2))
