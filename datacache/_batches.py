@@ -47,8 +47,7 @@ __all__ = ["BatchRing", "RingCollator", "ShmBatch", "collate", "plan_layout", "s
 
 _PAGE = mmap.PAGESIZE
 _ALIGN = 64
-_FREE, _IN_USE, _ATTACHED = 0, 1, 1
-_ATTACHED_BYTE = _PAGE - 1  # header page: one state byte per slot, then this flag
+_FREE, _IN_USE = 0, 1  # slot states: one byte per slot in the ring's header page
 _SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^datacache-batch-(\d+)-(\d+)-\d+$")
 _counter = itertools.count()
@@ -146,8 +145,8 @@ class BatchRing:
     tensors at once). See the module docstring for the slot life cycle."""
 
     def __init__(self, slot_bytes: int, slots: int = 16, *, shared: bool) -> None:
-        if not 1 <= slots < _ATTACHED_BYTE:
-            raise ValueError(f"slots must be in [1, {_ATTACHED_BYTE - 1}], got {slots}")
+        if not 1 <= slots <= _PAGE:
+            raise ValueError(f"slots must be in [1, {_PAGE}], got {slots}")
         self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
         self.slots = slots
         self.size = _PAGE + slots * self.slot_bytes
@@ -193,11 +192,6 @@ class BatchRing:
         if self.path is None:
             return _tensors(self._state, self._mm, self._offset(slot), slot, fields, rest, order)
         return ShmBatch(self.path, self.size, self._offset(slot), slot, fields, rest, order)
-
-    @property
-    def attached(self) -> bool:
-        """Whether the consumer has mapped this ring (shared rings only)."""
-        return self.path is not None and self._mm[_ATTACHED_BYTE] == _ATTACHED
 
     def abandon(self, slot: int) -> None:
         """Give back a slot that was acquired but will not be published (its batch failed)."""
@@ -313,15 +307,27 @@ def _attach(path: str, size: int, offset: int, slot: int, fields: Layout, rest: 
     producer = int(_NAME.match(os.path.basename(path)).group(2))  # type: ignore[union-attr]
     with _RINGS_LOCK:
         entry = _ATTACHED_RINGS.get(producer)
-        if entry is None or entry[0] != path:
-            entry = (path, _SlotState(_map_existing(path, size)))
-            _ATTACHED_RINGS[producer] = entry
-            entry[1].mm[_ATTACHED_BYTE] = _ATTACHED
-            _unlink(path)
-            for pid in [p for p in _ATTACHED_RINGS if p != producer and not _alive(p)]:
-                del _ATTACHED_RINGS[pid]
+    if entry is None or entry[0] != path:
+        entry = _attach_ring(producer, path, size)
     state = entry[1]
     return _tensors(state, state.mm, offset, slot, fields, rest, order)
+
+
+def _attach_ring(producer: int, path: str, size: int) -> tuple[str, _SlotState]:
+    """Map a producer's new ring and unlink its file (the file system calls outside the lock)."""
+    mm = _map_existing(path, size)
+    with _RINGS_LOCK:
+        entry = _ATTACHED_RINGS.get(producer)
+        if entry is not None and entry[0] == path:  # another thread attached it meanwhile
+            return entry
+        entry = _ATTACHED_RINGS[producer] = (path, _SlotState(mm))
+        others = [p for p in _ATTACHED_RINGS if p != producer]
+    _unlink(path)
+    gone = [p for p in others if not _alive(p)]
+    with _RINGS_LOCK:
+        for pid in gone:
+            _ATTACHED_RINGS.pop(pid, None)
+    return entry
 
 
 def _map_existing(path: str, size: int) -> mmap.mmap:

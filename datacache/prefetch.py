@@ -60,8 +60,9 @@ class Prefetcher(Generic[T, R]):
         self.name = name
         # One lock, two conditions: loaders wait for room (woken by takes), the consumer waits for
         # its result (woken by completions), so neither wakes the other side's idle threads.
-        self._cond = threading.Condition()
-        self._ready = threading.Condition(self._cond._lock)  # type: ignore[attr-defined]
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._ready = threading.Condition(lock)
         self._results: dict[int, tuple[bool, Any]] = {}
         self._next_start = 0      # next index a thread will load
         self._next_take = 0       # next index the consumer takes
@@ -108,12 +109,13 @@ class Prefetcher(Generic[T, R]):
             except BaseException as exc:  # handed to the consumer with its traceback
                 result = (False, exc)
             with self._cond:
-                if self._closed:
-                    self._discard(result)
-                else:
+                closed = self._closed
+                if not closed:
                     self._results[i] = result
-                if i == self._next_take or self._closed:
+                if i == self._next_take or closed:
                     self._ready.notify()
+            if closed:  # released outside the lock: a release may do I/O (a cache unpin)
+                self._discard(result)
 
     def _discard(self, result: tuple[bool, Any]) -> None:
         if result[0] and self._release is not None:

@@ -197,6 +197,22 @@ def test_ring_falls_back_for_a_larger_batch() -> None:
     assert big["id"].tolist() == list(range(64))
 
 
+def test_no_ring_where_shared_memory_is_short(small_tmpfs: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from datacache import _batches
+
+    monkeypatch.setattr(_batches, "_SHM_DIR", str(small_tmpfs))  # 32 MB: 16 slots of 2 MB do not fit twice
+    ring = RingCollator(shared=True)
+    batch = ring(_samples(32, side=128))
+    assert ring.ring is None and not os.listdir(small_tmpfs)
+    assert isinstance(batch["image"], torch.Tensor) and batch["id"].tolist() == list(range(32))
+    assert torch.equal(batch["image"][5], torch.from_numpy(_image(5, 128).copy()))
+    small = RingCollator(shared=True, slots=2)  # 2 slots of 256 KB fit: a ring, in that directory
+    small(_samples(8, side=64))
+    assert small.ring is not None and small.ring.path is not None
+    assert os.path.dirname(small.ring.path) == str(small_tmpfs)
+    small.close()
+
+
 def _dead_pid() -> int:
     p = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
     p.start()

@@ -200,9 +200,7 @@ def charts(out: str, meds: dict[tuple[str, str], dict[str, Any]], scenarios: lis
         ax.set_title(f"{sc}: wall s (lower is better)", fontsize=9)
         ax.invert_yaxis()
         ax.tick_params(labelsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "bench_wall.png"), dpi=100)
-    plt.close(fig)
+    _save(fig, out, "bench_wall.png")
     cold = [r for r in records if r["scenario"] == "cold" and r.get("rep") == 0 and r.get("link_timeline")]
     if cold:  # when did each system keep the link busy?
         fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -214,11 +212,8 @@ def charts(out: str, meds: dict[tuple[str, str], dict[str, Any]], scenarios: lis
         ax.plot([0, cold[0]["D"] / 1e6 / bw], [0, cold[0]["D"] / 1e6], "k--", lw=1, label=f"{bw:.0f} MB/s from t=0")
         ax.set_xlabel("s since the epoch began")
         ax.set_ylabel("remote MB (at the proxy)")
-        ax.set_title("cold epoch: bytes across the link over time (rep 0)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "bench_cold_link.png"), dpi=100)
-        plt.close(fig)
+        _titled(ax, "cold epoch: bytes across the link over time (rep 0)")
+        _save(fig, out, "bench_cold_link.png")
     lim = {s: m for (c, s), m in meds.items() if c == "limited" and "failed" not in m}
     if lim:
         fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -233,11 +228,21 @@ def charts(out: str, meds: dict[tuple[str, str], dict[str, Any]], scenarios: lis
         epochs = range(len(m["remote"]))
         ax.set_xticks([e + 0.4 - width / 2 for e in epochs], [str(e + 1) for e in epochs])
         ax.set_ylabel("remote MB")
-        ax.set_title("limited (C = D/2): remote bytes per epoch")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "bench_limited.png"), dpi=100)
-        plt.close(fig)
+        _titled(ax, "limited (C = D/2): remote bytes per epoch")
+        _save(fig, out, "bench_limited.png")
+
+
+def _titled(ax: Any, title: str) -> None:
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+
+
+def _save(fig: Any, out: str, name: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, name), dpi=100)
+    plt.close(fig)
 
 
 def progress_line(recs: list[dict[str, Any]]) -> str:
