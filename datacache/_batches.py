@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._reconcile import _unlink
+from .tiers import remove_if_exists as _unlink
 
 __all__ = ["BatchRing", "RingCollator", "ShmBatch", "collate", "plan_layout", "shm_available"]
 

@@ -117,8 +117,7 @@ def _verify_cached(ctx: Ctx, manifest: Manifest, mismatches: list[dict[str, Any]
     prefix = manifest.dataset_id + "/"
     checked = 0
     with NodeCache(ctx.cache_config()) as cache:
-        files = [(key, e, tier, cache.tiers[tier].file_path(rec["file"]))
-                 for key, e in cache.entries() if key.startswith(prefix) for tier, rec in e.tiers.items()]
+        files = cache.entry_files(prefix)
         progress = _Progress(ctx, sum(e.size for _, e, _, _ in files), "verifying cache", len(files), "files")
         try:
             for key, e, tier, path in files:

@@ -1,15 +1,14 @@
 """One consumer's epoch: plan -> prefetched, pinned shards -> samples. Used by the datasets.
 
 A ``Consumer`` belongs to one process (the main process, or one DataLoader worker) and one epoch.
-It installs the node's clairvoyant schedule in the cache and runs a two-stage pipeline over its
-runs: stage 1 (``Prefetcher``, adaptive thread pool) gets each run's shard into the cache far
-ahead; stage 2 (one decode thread) takes the next runs' pinned shards, reads their ranges sequentially
-(each block decompressed once) and unpins them. The consumer then walks the plan's steps, yielding samples in the
+It runs a two-stage pipeline over its runs, both through the one shard path (``shards``): stage 1
+(``Prefetcher``, adaptive thread pool) gets each run's shard into the cache far ahead; stage 2
+(one decode thread) takes the next runs' pinned shards, reads their ranges sequentially (each
+block decompressed once) and unpins them. The consumer then walks the plan's steps, yielding samples in the
 shuffled order while at most ``window`` runs are open. Not thread-safe: one consumer per thread.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator
@@ -17,64 +16,33 @@ from typing import Any
 
 import numpy as np
 
-import readers
-
-from ._openshards import open_shards
-from .cache import CacheHandle, NodeCache
+from .cache import CacheHandle
 from .config import PrefetchConfig
 from .errors import IntegrityError, NotFoundError, ReaderError
-from .eviction import ClairvoyantPolicy, Schedule
-from .manifest import Manifest
-from .plan import ConsumerPlan, PlanSpec, build_plan
+from .eviction import Schedule
+from .plan import ConsumerPlan
 from .prefetch import Prefetcher
-from .storage import Store
+from .shards import ShardSource
 
-__all__ = ["Consumer", "node_schedule", "cap_lookahead"]
+__all__ = ["Consumer"]
 
 log = logging.getLogger("datacache.dataset")
-
-
-def node_schedule(manifest: Manifest, counts: np.ndarray, spec: PlanSpec, dp_ranks: list[int],
-                  first_plan_order: np.ndarray | None = None) -> Schedule:
-    """Next-use times of every shard for every consumer on this node, for this epoch and the next."""
-    times: dict[str, list[float]] = {}
-    for epoch in (spec.epoch, spec.epoch + 1):
-        for r in dp_ranks:
-            for w in range(spec.num_workers):
-                sub = PlanSpec(**{**spec.__dict__, "epoch": epoch, "dp_rank": r, "worker_id": w})
-                order = first_plan_order if epoch == spec.epoch else None
-                plan = build_plan(counts, sub, order=order, shards_only=True)
-                for shard, t in plan.shard_times(epoch):
-                    times.setdefault(manifest.cache_key(shard), []).append(t)
-    return Schedule(times)
-
-
-def cap_lookahead(prefetch: PrefetchConfig, cache: NodeCache, manifest: Manifest, consumers: int) -> PrefetchConfig:
-    """Cap the lookahead so the node's consumers pin at most a quarter of the fastest tier:
-    pinned entries cannot be evicted, and a cache full of pins serves nothing twice."""
-    tier = next((t for t in (cache.ram, cache.ssd) if t.enabled), None)
-    if tier is None:
-        return prefetch
-    biggest = max((s.bytes for s in manifest.shards), default=1)
-    cap = max(tier.budget // (4 * max(consumers, 1)), biggest)
-    la = min(int(prefetch.lookahead_bytes), cap)
-    return dataclasses.replace(prefetch, lookahead_bytes=la,
-                               max_lookahead_bytes=max(la, min(int(prefetch.max_lookahead_bytes), cap)))
 
 
 class Consumer:
     """Iterates one consumer's plan for one epoch (see module docstring)."""
 
-    def __init__(self, *, manifest: Manifest, store: Store, cache: NodeCache, plan: ConsumerPlan, epoch: int,
-                 skip: int, prefetch: PrefetchConfig, schedule: Schedule | None, reader_options: dict[str, Any],
-                 on_error: str, name: str) -> None:
-        self.manifest, self.store, self.cache, self.plan = manifest, store, cache, plan
+    def __init__(self, *, source: ShardSource, plan: ConsumerPlan, epoch: int, skip: int, prefetch: PrefetchConfig,
+                 schedule: Schedule | None, on_error: str, name: str) -> None:
+        """``source``: the dataset through the node cache; ``plan``: this consumer's reads in
+        ``epoch``; ``skip``: plan positions already read (a resume); ``prefetch``: the fetch stage's
+        config; ``schedule``: the node's schedule in force (``shards.tell_plan``), advanced as runs
+        are read; ``on_error``: "raise" or "skip" (unreadable shards); ``name``: thread name prefix."""
+        self.source, self.plan = source, plan
+        self.manifest = source.manifest
         self.epoch, self.skip = epoch, skip
-        self.reader_options, self.on_error = reader_options, on_error
-        self.fmt = readers.get_format(manifest.format)
+        self.on_error = on_error
         self.schedule = schedule
-        if schedule is not None:
-            cache.set_policy(ClairvoyantPolicy(schedule))
         n_runs = len(plan.runs)
         # Runs that still have samples to read (all of them unless resuming mid-epoch).
         self.needed = sorted(set(plan.run_of[skip:].tolist())) if skip and plan.run_of is not None \
@@ -85,28 +53,17 @@ class Consumer:
         # Stage 1: shards into the cache, far ahead (network-bound, adaptive, byte-bounded).
         self.prefetcher: Prefetcher[tuple[int, int], CacheHandle] = Prefetcher(
             list(enumerate(plan.runs[r][0] for r in self.needed)), self._load,
-            size_of=lambda item: manifest.shards[item[1]].bytes, release=CacheHandle.release, config=prefetch,
+            size_of=lambda item: self.manifest.shards[item[1]].bytes, release=CacheHandle.release, config=prefetch,
             name=name)
         # Stage 2: the next runs decoded while the current step is consumed.
-        self.decoder: Prefetcher[int, _Run] = Prefetcher(
-            self.needed, self._decode, release=_Run.release, config=_DECODE_AHEAD, name=f"{name}-decode")
+        self.decoder: Prefetcher[int, _Run] = Prefetcher.bounded(
+            self.needed, self._decode, ahead=_DECODE_AHEAD, release=_Run.release, name=f"{name}-decode")
         self.consumed = skip
 
     def _load(self, item: tuple[int, int]) -> CacheHandle:
         """Get (position in the plan, shard) into the cache; earlier positions get the link first."""
         position, shard = item
-        info = self.manifest.shards[shard]
-        try:
-            return self.cache.get(self.manifest.cache_key(shard),
-                                  lambda path: self.store.read_into(info.name, path, size=info.bytes,
-                                                                    priority=position),
-                                  size=info.bytes, hash=info.hash, use_at=self.run_times[self.needed[position]])
-        except IntegrityError as exc:
-            if exc.url is not None:
-                raise
-            err = IntegrityError(str(exc), url=self.store.url_of(info.name))  # the cache knows keys, not URLs
-            err.hint = exc.hint
-            raise err from exc
+        return self.source.fetch(shard, priority=position, use_at=self.run_times[self.needed[position]])
 
     def _decode(self, run: int) -> "_Run":
         """Runs on the decode thread: pin the run's shard (waiting on stage 1) and read its range."""
@@ -155,22 +112,11 @@ class Consumer:
             self.close()
 
     def _read(self, shard: int, handle: CacheHandle, lo: int, hi: int) -> list[Any] | None:
-        url = self.store.url_of(self.manifest.shards[shard].name)
-        shards = open_shards()
         try:
-            reader = shards.checkout(self.fmt, handle.path, self.reader_options)
-            try:
-                samples = list(reader.iter_range(lo, hi))
-            except BaseException:
-                reader.close()
-                raise
-            shards.checkin(self.fmt, handle.path, reader, self.reader_options)
-            return samples
-        except (readers.ReaderError, ValueError, OSError) as exc:
-            err = ReaderError(f"cannot read shard as {self.manifest.format!r}: {exc}", url=url,
-                              hint="Check the manifest's format, or rebuild the shard")
+            return self.source.read_runs(shard, handle, lo, hi)
+        except (ReaderError, IntegrityError) as err:
             if self.on_error != "skip":
-                raise err from exc
+                raise
             self._skip(shard, err)
             return None
 
@@ -180,7 +126,7 @@ class Consumer:
             return
         self._skipped.add(shard)
         self.skipped_shards += 1
-        self.cache.index.count(skipped_shards=1)
+        self.source.cache.count(skipped_shards=1)
         warnings.warn(f"datacache: skipping shard: {err}", stacklevel=3)
 
     @property
@@ -193,7 +139,7 @@ class Consumer:
         self.prefetcher.close()
 
 
-_DECODE_AHEAD = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=2, max_lookahead_bytes=2, adaptive=False)
+_DECODE_AHEAD = 2  # runs decoded ahead of the one being consumed
 
 
 class _Run:

@@ -21,12 +21,11 @@ Concurrency (see ``tiers`` for the locks):
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import shutil
-import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -35,70 +34,16 @@ from .errors import CacheError, IntegrityError
 from .eviction import EvictionPolicy, LRUPolicy
 from .hashing import hash_file
 from .index import Entry, Index
-from .tiers import NO_SPACE_ERRNOS, KeyLock, Tier, ensure_private_dir, key_id, try_pin, unlock_close
-from . import _reconcile
-from ._placement import finish_all, make_room
+from .tiers import (NO_SPACE_ERRNOS, KeyLock, Tier, ensure_private_dir, key_id, remove_if_exists, try_pin,
+                    unlock_close)
+from ._handle import CacheHandle, PassDir
+from ._placement import Victim, make_room
+from ._reconcile import NodeLock, clear, reconcile
 
 __all__ = ["NodeCache", "CacheHandle"]
 
 log = logging.getLogger("datacache.cache")
 Fetch = Callable[[str], Any]
-
-
-class CacheHandle:
-    """A pinned local file holding one entry. ``path`` stays valid until ``release()``.
-
-    ``tier`` is "ram", "ssd" or "pass" (not admitted: a private file deleted on release). Release
-    is idempotent; a handle is also a context manager. Not thread-safe (one owner at a time).
-    """
-
-    def __init__(self, key: str, path: str, size: int, tier: str, fd: int) -> None:
-        self.key, self.path, self.size, self.tier = key, path, size, tier
-        self._fd = fd
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
-
-    @property
-    def fd(self) -> int:
-        return self._fd
-
-    def mmap(self) -> mmap.mmap:
-        """A read-only memory map of the entry (valid while the handle is held)."""
-        return mmap.mmap(self._fd, 0, prot=mmap.PROT_READ) if self.size else mmap.mmap(-1, 1)
-
-    def read(self) -> bytes:
-        with open(self.path, "rb") as f:
-            return f.read()
-
-    def release(self) -> None:
-        with self._lock:
-            fd, self._fd = self._fd, -1
-        if fd < 0:
-            return
-        if self._pid != os.getpid():  # a forked child's copy: the pin (and a pass file) are the parent's
-            os.close(fd)
-            return
-        if self.tier == "pass":
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-        unlock_close(fd)
-
-    def __enter__(self) -> "CacheHandle":
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        try:
-            self.release()
-        except Exception:
-            pass
-
-    def __repr__(self) -> str:
-        return f"CacheHandle({self.key!r}, tier={self.tier!r}, size={self.size})"
 
 
 class NodeCache:
@@ -112,12 +57,23 @@ class NodeCache:
         self.tiers = {"ram": self.ram, "ssd": self.ssd}
         self.control_dir = self._pick_control_dir()
         self.lock_dir = ensure_private_dir(os.path.join(self.control_dir, "locks"))
-        self.pass_dir = self._pick_pass_dir()
-        self._pass_lock = threading.Lock()
+        self._pass = PassDir([self.ram, self.ssd], self.control_dir)
         self._access = threading.local()
         self.index = Index(self.control_dir)
-        self._node_fd, self.token, self.reconciled = _reconcile.open_node(self)
+        self._node = NodeLock(self.control_dir)
+        self.reconciled = self._node.join(lambda: reconcile(self.index, self.tiers, self.pass_dir))
+        self.token = self._token()
         self._closed = False
+
+    def _token(self) -> str:
+        """This cache generation's verification token (a reconciliation issues a new one)."""
+        with self.index.read() as txn:
+            token = txn.meta("token")
+        if token is None:
+            with self.index.write() as txn:
+                token = txn.meta("token") or uuid.uuid4().hex
+                txn.set_meta("token", token)
+        return token
 
     def _pick_control_dir(self) -> str:
         for base in (self.config.ssd_dir, self.config.ram_dir):
@@ -130,34 +86,10 @@ class NodeCache:
         raise CacheError("no writable directory for the cache index", url=self.config.ssd_dir,
                          hint="Make ssd_dir or ram_dir writable (DATACACHE_SSD_DIR / DATACACHE_RAM_DIR)")
 
-    def _pick_pass_dir(self) -> str:
-        for tier in (self.ram, self.ssd):
-            if tier.enabled:
-                return tier.data_dir
-        return ensure_private_dir(os.path.join(self.control_dir, "pass"))
-
-    def _spare_pass_dir(self, failed_dir: str, exc: OSError) -> bool:
-        """Move pass-through copies to a private dir on another file system (``/dev/shm`` or the temp
-        dir) after ENOSPC in ``failed_dir``; False when there is none left to try. Thread-safe."""
-        with self._pass_lock:
-            if self.pass_dir != failed_dir:
-                return True  # another thread already moved them
-            return self._move_pass_dir(exc)
-
-    def _move_pass_dir(self, exc: OSError) -> bool:
-        for base in ("/dev/shm", tempfile.gettempdir()):
-            path = os.path.join(base, f"datacache-pass-{os.getuid()}")
-            if not os.path.isdir(base) or os.path.realpath(path) == os.path.realpath(self.pass_dir):
-                continue
-            if os.path.exists(self.pass_dir) and os.stat(base).st_dev == os.stat(self.pass_dir).st_dev:
-                continue
-            try:
-                self.pass_dir = ensure_private_dir(path)
-            except OSError:
-                continue
-            log.warning("datacache: no space for pass-through copies (%s); using %s and continuing", exc, path)
-            return True
-        return False
+    @property
+    def pass_dir(self) -> str:
+        """Where pass-through copies (entries not admitted) are written now."""
+        return self._pass.path
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         """Swap the eviction policy (e.g. when a dataset learns its future access order)."""
@@ -165,29 +97,33 @@ class NodeCache:
 
     # ------------------------------------------------------------------ lookups
     def get(self, key: str, fetch: Fetch, *, size: int | None = None, hash: str | None = None,
-            use_at: float | None = None) -> CacheHandle:
+            use_at: float | None = None, into: str | None = None) -> CacheHandle:
         """Return a pinned handle on ``key``'s bytes, fetching them with ``fetch(path)`` on a miss.
 
         ``size`` and ``hash`` (from the manifest) are verified before an entry becomes visible.
         ``use_at``: when a prefetcher asks ahead of time, the schedule time of the read this get
         serves; a clairvoyant policy then admits the entry only if its next use *after* that read
         comes before some cached entry's (MIN with bypass); otherwise it is served privately.
-        Thread- and process-safe; at most one ``fetch`` per key runs on the node at a time.
+        ``into``: "ram" or "ssd" to fill a miss into that tier only, and not promote an SSD hit
+        (``datacache warm`` fills the SSD part of a node's share so). Thread- and process-safe; at
+        most one ``fetch`` per key runs on the node at a time.
         """
         self._check_open()
+        if into not in (None, "ram", "ssd"):
+            raise ValueError(f"into must be 'ram', 'ssd' or None, not {into!r}")
         self.policy.on_access(key)
-        handle = self._lookup(key)
+        handle = self._lookup(key, promote=into is None)
         if handle is not None:
             return handle
         lock = KeyLock(self.lock_dir, key_id(key))
         with lock.held():
-            handle = self._lookup(key, locked=True)
+            handle = self._lookup(key, locked=True, promote=into is None)
             if handle is not None:
                 self.index.count(waited=1)
                 return handle
             self._access.key, self._access.use_at = key, use_at
             try:
-                return self._fill(key, fetch, size, hash)
+                return self._fill(key, fetch, size, hash, into)
             finally:
                 self._access.key = None
 
@@ -201,7 +137,7 @@ class NodeCache:
             e = txn.get(key)
         return None if e is None else next((t for t in ("ram", "ssd") if t in e.tiers), None)
 
-    def _lookup(self, key: str, locked: bool = False) -> CacheHandle | None:
+    def _lookup(self, key: str, locked: bool = False, promote: bool = True) -> CacheHandle | None:
         with self.index.read() as txn:
             entry = txn.get(key)
         if entry is None:
@@ -218,7 +154,7 @@ class NodeCache:
                     not self._verify(key, entry, name, rec, fd):
                 continue
             handle = CacheHandle(key, tier.file_path(rec["file"]), entry.size, name, fd)
-            if name == "ssd" and self.ram.enabled and entry.size <= self.ram.budget and \
+            if promote and name == "ssd" and self.ram.enabled and entry.size <= self.ram.budget and \
                     self.policy.should_promote(key):
                 promoted = self._promote(key, entry, handle, locked)
                 if promoted is not None:
@@ -259,34 +195,33 @@ class NodeCache:
                 del e.tiers[tier]
                 txn.put(key, e)
                 txn.add_used(tier, -e.size)
-        try:
-            os.unlink(self.tiers[tier].file_path(fname))
-        except FileNotFoundError:
-            pass
+        remove_if_exists(self.tiers[tier].file_path(fname))
 
     # ------------------------------------------------------------------ inserts
-    def _fill(self, key: str, fetch: Fetch, size: int | None, digest: str | None) -> CacheHandle:
+    def _fill(self, key: str, fetch: Fetch, size: int | None, digest: str | None,
+              into: str | None = None) -> CacheHandle:
         kid = key_id(key)
         for tier in (self.ram, self.ssd, None):
-            if tier is not None and (not tier.enabled or (size is not None and size > tier.budget)):
+            if tier is not None and (not tier.enabled or (size is not None and size > tier.budget)
+                                     or into not in (None, tier.name)):
                 continue
             tmp = tier.temp_path(kid) if tier else os.path.join(self.pass_dir, f".pass-{kid}-{os.getpid()}-{time.time_ns()}")
             try:
                 nbytes, h = self._download(key, fetch, tmp, size, digest)
             except OSError as exc:
-                _unlink(tmp)
+                remove_if_exists(tmp)
                 if tier is not None and exc.errno in NO_SPACE_ERRNOS:
                     tier.disable(f"no space left ({exc})")
                     continue
-                if exc.errno in NO_SPACE_ERRNOS and self._spare_pass_dir(os.path.dirname(tmp), exc):
-                    return self._fill(key, fetch, size, digest)
+                if exc.errno in NO_SPACE_ERRNOS and self._pass.move_after(os.path.dirname(tmp), exc):
+                    return self._fill(key, fetch, size, digest, into)
                 if exc.errno in NO_SPACE_ERRNOS:  # not even a private pass-through copy fits
                     raise CacheError(f"no space left for a pass-through copy of {key} ({exc})", url=self.pass_dir,
                                      hint="Free space there, or give the cache a RAM tier (ram_bytes) on another "
                                      "file system") from exc
                 raise
             except BaseException:
-                _unlink(tmp)
+                remove_if_exists(tmp)
                 raise
             if tier is None:
                 return self._pass_through(key, tmp, nbytes)
@@ -326,15 +261,17 @@ class NodeCache:
         fd = try_pin(final)
         assert fd is not None, final
         try:
-            admitted, victims = make_room(self, tier, key, nbytes, fname, digest)
+            admitted, victims = make_room(self.index, tier, key, nbytes, fname, digest, policy=self.policy,
+                                          use_at=self.use_at(key), lock_dir=self.lock_dir, token=self.token,
+                                          ssd=self.ssd)
         except BaseException:  # e.g. an LMDB error: the file was never indexed
-            _unlink(final)
+            remove_if_exists(final)
             unlock_close(fd)
             raise
         if not admitted and tier is self.ram:  # not wanted in RAM: the SSD tier may still want it
             handle = self._try_ssd(key, final, nbytes, digest)
             if handle is not None:
-                _unlink(final)
+                remove_if_exists(final)
                 unlock_close(fd)
                 return handle
         if not admitted:  # the policy bypasses it: serve it privately, deleted on release
@@ -342,8 +279,34 @@ class NodeCache:
             os.replace(final, private)
             self.index.count(bypassed=1)
             return CacheHandle(key, private, nbytes, "pass", fd)
-        finish_all(self, victims)
+        self._finish(victims)
         return CacheHandle(key, final, nbytes, tier.name, fd)
+
+    def _finish(self, victims: list[Victim]) -> None:
+        """Demote the victims ``make_room`` marked (best effort), then drop every one of them, even
+        if one raises: a victim's key lock must not outlive the call."""
+        error: BaseException | None = None
+        for v in victims:
+            try:
+                if v.demote and self.ssd.enabled:
+                    self._demote(v)
+            except BaseException as exc:
+                error = error or exc
+            finally:
+                v.drop()
+        if error is not None:
+            raise error
+
+    def _demote(self, v: Victim) -> None:
+        try:
+            handle = self._copy_in(v.key, v.path, self.ssd, v.entry.size, v.entry.hash)
+        except Exception as exc:  # e.g. an LMDB error: demotion is best effort
+            log.warning("datacache: could not demote %s to SSD: %s", v.key, exc)
+            return
+        if handle is not None:
+            if handle.tier == "ssd":
+                self.index.count(demotions=1)
+            handle.release()
 
     def _try_ssd(self, key: str, path: str, nbytes: int, digest: str) -> CacheHandle | None:
         """Copy a file RAM turned down into the SSD tier; the SSD handle, or None if refused."""
@@ -353,14 +316,14 @@ class NodeCache:
             e = txn.get(key)
         if e is not None and "ssd" in e.tiers:
             return None
-        handle = self.copy_in(key, path, self.ssd, nbytes, digest)
+        handle = self._copy_in(key, path, self.ssd, nbytes, digest)
         if handle is not None and handle.tier == "pass":
             handle.release()
             self.index.count(bypassed=-1)  # counted once, by the caller's pass-through
             return None
         return handle
 
-    def copy_in(self, key: str, src: str, tier: Tier, nbytes: int, digest: str) -> CacheHandle | None:
+    def _copy_in(self, key: str, src: str, tier: Tier, nbytes: int, digest: str) -> CacheHandle | None:
         """Copy the local file ``src`` into ``tier`` (temp, fsync, commit) for ``key``; the handle
         (tier "pass" if the policy refused it), or None when the tier's file system is full (the
         tier is then disabled with a warning). Used to promote, demote and fall through to SSD."""
@@ -371,7 +334,7 @@ class NodeCache:
                 os.fsync(f.fileno())
             return self._commit(key, tier, tmp, nbytes, digest)
         except OSError as exc:
-            _unlink(tmp)
+            remove_if_exists(tmp)
             if exc.errno in NO_SPACE_ERRNOS:
                 tier.disable(f"no space left ({exc})")
                 return None
@@ -390,7 +353,7 @@ class NodeCache:
                 if now is None or "ram" in now.tiers or \
                         now.tiers.get("ssd", {}).get("file") != os.path.basename(ssd_handle.path):
                     return None
-            handle = self.copy_in(key, ssd_handle.path, self.ram, entry.size, entry.hash)
+            handle = self._copy_in(key, ssd_handle.path, self.ram, entry.size, entry.hash)
             if handle is None:
                 return None
             if handle.tier == "pass":
@@ -419,12 +382,32 @@ class NodeCache:
         return out
 
     def entries(self) -> list[tuple[str, Entry]]:
+        """Every indexed entry as (key, entry). A snapshot; no pins are taken."""
         with self.index.read() as txn:
             return list(txn.items())
 
+    def entry_files(self, prefix: str = "") -> list[tuple[str, Entry, str, str]]:
+        """(key, entry, tier, file path) of every entry file whose key starts with ``prefix``. A
+        snapshot: a file may be evicted at any time, so pin it (``tiers.try_pin``) before reading."""
+        return [(key, e, tier, self.tiers[tier].file_path(rec["file"]))
+                for key, e in self.entries() if key.startswith(prefix) for tier, rec in e.tiers.items()]
+
+    def budgets(self) -> dict[str, int]:
+        """Bytes each tier may hold now ("ram", "ssd"; 0 for a disabled tier). Thread-safe."""
+        return {name: (t.budget if t.enabled else 0) for name, t in self.tiers.items()}
+
+    def count(self, **deltas: float) -> None:
+        """Add to the node-wide counters of ``stats()`` (e.g. ``wait_seconds``, ``skipped_shards``);
+        written at the next index transaction or ``flush_stats``. Thread-safe, no I/O."""
+        self.index.count(**deltas)
+
+    def flush_stats(self) -> None:
+        """Write this process's pending counter deltas now."""
+        self.index.flush()
+
     def clear(self, *, tiers: tuple[str, ...] = ("ram", "ssd"), dataset: str | None = None) -> int:
         """Remove unpinned entries (optionally only one dataset's); returns how many files went."""
-        return _reconcile.clear(self, tiers, dataset)
+        return clear(self.index, self.tiers, self.lock_dir, tiers, dataset)
 
     def reset_stats(self) -> None:
         with self.index.write() as txn:
@@ -440,9 +423,7 @@ class NodeCache:
             return
         self._closed = True
         self.index.close()
-        if self._node_fd >= 0:
-            fd, self._node_fd = self._node_fd, -1
-            unlock_close(fd)
+        self._node.close()
 
     def __enter__(self) -> "NodeCache":
         return self
@@ -452,11 +433,4 @@ class NodeCache:
 
     def __repr__(self) -> str:
         return f"NodeCache({self.ram!r}, {self.ssd!r}, policy={self.policy.name})"
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 

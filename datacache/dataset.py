@@ -26,19 +26,21 @@ import torch
 import torch.utils.data as tud
 
 from ._batches import RingCollator, collate
-from ._consumer import Consumer, cap_lookahead, node_schedule
+from ._consumer import Consumer
 from .cache import NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
 from .dist import DistInfo, detect
-from .manifest import Manifest, load_manifest
+from .manifest import Manifest
+from .nodeplan import cap_lookahead, node_dp_ranks, node_schedule
 from .plan import DEFAULT_WINDOW, PlanSpec, build_plan, remainder_order
 from .prefetch import Prefetcher
-from .storage import Store, open_store
+from .shards import ShardSource, tell_plan
+from .storage import Store
 
 __all__ = ["StreamingDataset"]
 
 _STATE_VERSION = 1
-_BATCH_AHEAD = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=4, max_lookahead_bytes=4, adaptive=False)
+_BATCH_AHEAD = 4  # batches collated ahead of the one handed out
 
 
 def _shared_int() -> torch.Tensor:
@@ -49,10 +51,6 @@ def _shared_int() -> torch.Tensor:
         return t.share_memory_()
     except (RuntimeError, OSError):  # no shared memory: persistent workers will not see set_epoch
         return t
-
-
-def _make_cache(cache: CacheConfig | NodeCache | None) -> NodeCache:
-    return cache if isinstance(cache, NodeCache) else NodeCache(cache or CacheConfig())
 
 
 class StreamingDataset(tud.IterableDataset):
@@ -79,15 +77,15 @@ class StreamingDataset(tud.IterableDataset):
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ValueError("on_error must be 'raise' or 'skip'")
-        self.store: Store = open_store(url, dict(storage_options or {}), transfer=transfer, retry=retry)
-        self.manifest: Manifest = load_manifest(self.store)
+        self.source = ShardSource.open(url, storage_options=storage_options, cache=cache, transfer=transfer,
+                                       retry=retry, reader_options=reader_options)
+        self.store: Store = self.source.store
+        self.manifest: Manifest = self.source.manifest
+        self.cache: NodeCache = self.source.cache
         self.counts = np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
-        self.cache = _make_cache(cache)
-        self._use_schedule = self.cache.config.policy != "lru"
         self.shuffle, self.seed, self.drop_last, self.window = shuffle, seed, drop_last, window
         self.transform, self.batch_size, self.collate_fn = transform, batch_size, collate_fn
         self.prefetch = prefetch or PrefetchConfig()
-        self.reader_options = dict(reader_options or {})
         self.on_error = on_error
         self.dist = dist or detect()
         if (dp_rank is None) != (dp_size is None):
@@ -130,7 +128,7 @@ class StreamingDataset(tud.IterableDataset):
 
     def _node_dp_ranks(self) -> list[int]:
         if self.dist.world_size == self.dp_size * self.replication and self.dist.world_size > 1:
-            return sorted({r // self.replication for r in self.dist.node_ranks()})
+            return node_dp_ranks(self.dist.node_ranks(), self.replication)
         return [self.dp_rank]
 
     def _resume_order(self, spec: PlanSpec) -> tuple[np.ndarray | None, int]:
@@ -172,15 +170,16 @@ class StreamingDataset(tud.IterableDataset):
         order, skip = self._resume_order(spec)
         plan = build_plan(self.counts, spec, order=order)
         schedule = None
-        if self._use_schedule:
+        if self.cache.config.policy != "lru":
             ranks = self._node_dp_ranks() if order is None else [self.dp_rank]
-            schedule = node_schedule(self.manifest, self.counts, spec, ranks, first_plan_order=order)
+            schedule = tell_plan(self.cache, node_schedule(self.manifest, self.counts, spec, ranks,
+                                                           first_plan_order=order))
         if self._consumer is not None:
             self._consumer.close()
         prefetch = cap_lookahead(self.prefetch, self.cache, self.manifest, len(self._node_dp_ranks()) * num_workers)
-        consumer = Consumer(manifest=self.manifest, store=self.store, cache=self.cache, plan=plan, epoch=self.epoch,
-                            skip=skip, prefetch=prefetch, schedule=schedule, reader_options=self.reader_options,
-                            on_error=self.on_error, name=f"datacache-prefetch-r{self.dp_rank}w{worker_id}")
+        consumer = Consumer(source=self.source, plan=plan, epoch=self.epoch, skip=skip, prefetch=prefetch,
+                            schedule=schedule, on_error=self.on_error,
+                            name=f"datacache-prefetch-r{self.dp_rank}w{worker_id}")
         self._consumer = consumer
         self._resume_base = self._resume
         self._resume = None
@@ -212,8 +211,8 @@ class StreamingDataset(tud.IterableDataset):
                 return None
             return (ring(batch) if ring else self.collate_fn(batch)), consumer.consumed
 
-        batcher: Prefetcher[int, Any] = Prefetcher(range(total), make_batch, config=_BATCH_AHEAD,
-                                                   name=f"{consumer.prefetcher.name}-batch")
+        batcher: Prefetcher[int, Any] = Prefetcher.bounded(range(total), make_batch, ahead=_BATCH_AHEAD,
+                                                           name=f"{consumer.prefetcher.name}-batch")
         self._delivered = consumer.skip
         try:
             for item in batcher:
@@ -234,11 +233,11 @@ class StreamingDataset(tud.IterableDataset):
 
     def _flush_stats(self, consumer: Consumer) -> None:
         p = consumer.decoder
-        self.cache.index.count(wait_seconds=p.wait_seconds, waits=p.waits, samples=consumer.consumed,
-                               padded=consumer.plan.padded if consumer.skip == 0 else 0,
-                               storage_retries=self._unflushed_retries(mark=True))
+        self.cache.count(wait_seconds=p.wait_seconds, waits=p.waits, samples=consumer.consumed,
+                         padded=consumer.plan.padded if consumer.skip == 0 else 0,
+                         storage_retries=self._unflushed_retries(mark=True))
         p.wait_seconds, p.waits = 0.0, 0
-        self.cache.index.flush()
+        self.cache.flush_stats()
 
     def _unflushed_retries(self, mark: bool = False) -> int:
         """Storage retries of this process not yet in the node-wide ``storage_retries`` counter (a

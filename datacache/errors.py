@@ -10,13 +10,21 @@ Every error names the URL or path it concerns, says what was expected, and what 
     +-- ManifestError               manifest.json missing, truncated, invalid, or naming unsafe shards
     +-- IntegrityError              bytes do not match the size or hash the manifest declares
     +-- ReaderError                 a local shard file cannot be parsed by its reader (wrong format,
-    |                               truncated, hostile: oversized declarations, bombs, unsafe members)
+    |                               truncated, hostile: oversized declarations, bombs, unsafe members);
+    |                               also a ``readers.ReaderError``, the readers' own base class
     +-- CacheError                  a cache directory is unusable (not ours, wrong mode, no space)
 
 Backend errors are translated where they enter (``raise ... from exc``), so the original cause
-stays chained in ``__cause__``. Credentials never appear in messages.
+stays chained in ``__cause__``. Credentials never appear in messages. Reader failures enter at the
+one shard path (``datacache.shards``), which turns every ``readers.ReaderError`` into a
+``datacache.ReaderError`` naming the shard's URL; ``except datacache.ReaderError`` and ``except
+datacache.DatacacheError`` therefore catch every reader failure from every entry point.
 """
 from __future__ import annotations
+
+from typing import Any
+
+import readers
 
 __all__ = [
     "DatacacheError",
@@ -67,8 +75,24 @@ class IntegrityError(DatacacheError):
     """Bytes do not match the size or content hash declared in the manifest."""
 
 
-class ReaderError(DatacacheError):
-    """A local shard file cannot be parsed by its reader."""
+class ReaderError(DatacacheError, readers.ReaderError):
+    """A local shard file cannot be parsed by its reader (also a ``readers.ReaderError``)."""
+
+    def __init__(self, message: str, *, url: str | None = None, hint: str | None = None) -> None:
+        DatacacheError.__init__(self, message, url=url, hint=hint)  # readers.ReaderError.__init__ runs
+        self.url, self.hint, self.path = url, hint, url  # inside it (MRO) and resets these
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep url/hint across pickling (DataLoader workers)
+        return (_rebuild, (type(self), str(self), self.url, self.hint))
+
+
+def _rebuild(cls: type[DatacacheError], text: str, url: str | None, hint: str | None) -> DatacacheError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, text)
+    err.url, err.hint = url, hint
+    if isinstance(err, ReaderError):
+        err.path = url
+    return err
 
 
 class CacheError(DatacacheError):

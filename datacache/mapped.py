@@ -17,15 +17,14 @@ from typing import Any
 import numpy as np
 import torch.utils.data as tud
 
-import readers
-
-from ._consumer import cap_lookahead
 from .cache import CacheHandle, NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
-from .eviction import ClairvoyantPolicy, Schedule
-from .manifest import Manifest, load_manifest
+from .eviction import Schedule
+from .manifest import Manifest
+from .nodeplan import cap_lookahead
 from .prefetch import Prefetcher
-from .storage import Store, open_store
+from .shards import ShardSource, tell_plan
+from .storage import Store
 
 __all__ = ["CachedDataset"]
 
@@ -37,13 +36,17 @@ class CachedDataset(tud.Dataset):
                  cache: CacheConfig | NodeCache | None = None, transform: Callable[[dict[str, Any]], Any] | None = None,
                  prefetch: PrefetchConfig | None = None, transfer: TransferConfig | None = None,
                  retry: RetryConfig | None = None, reader_options: Mapping[str, Any] | None = None) -> None:
-        self.store: Store = open_store(url, dict(storage_options or {}), transfer=transfer, retry=retry)
-        self.manifest: Manifest = load_manifest(self.store)
-        self.cache = cache if isinstance(cache, NodeCache) else NodeCache(cache or CacheConfig())
+        """``url``, ``storage_options``, ``transfer``, ``retry``: the dataset and how to reach it (as
+        for ``StreamingDataset``); ``cache``: a ``CacheConfig`` or an open ``NodeCache`` to share;
+        ``transform``: applied to each sample; ``prefetch``: the prefetch pool's config;
+        ``reader_options``: keyword arguments for the format's reader."""
+        self.source = ShardSource.open(url, storage_options=storage_options, cache=cache, transfer=transfer,
+                                       retry=retry, reader_options=reader_options)
+        self.store: Store = self.source.store
+        self.manifest: Manifest = self.source.manifest
+        self.cache: NodeCache = self.source.cache
         self.transform = transform
         self.prefetch = prefetch or PrefetchConfig()
-        self.reader_options = dict(reader_options or {})
-        self.fmt = readers.get_format(self.manifest.format)
         self._planned: np.ndarray | None = None
         self._batch_size: int | None = None
         self._state: _PlanState | None = None
@@ -78,16 +81,10 @@ class CachedDataset(tud.Dataset):
             sample = self._read_off_plan(index)
         return self.transform(sample) if self.transform else sample
 
-    def _get(self, shard: int) -> CacheHandle:
-        info = self.manifest.shards[shard]
-        return self.cache.get(self.manifest.cache_key(shard),
-                              lambda path: self.store.read_into(info.name, path, size=info.bytes),
-                              size=info.bytes, hash=info.hash)
-
     def _read_off_plan(self, index: int) -> dict[str, Any]:
         shard, local = self.manifest.locate(index)
-        with self._get(shard) as handle, self.fmt.open(handle.path, **self.reader_options) as reader:
-            return reader.get(local)
+        with self.source.fetch(shard) as handle:
+            return self.source.read_rows(shard, handle, [local])[local]
 
     def close(self) -> None:
         """Stop prefetching. Idempotent."""
@@ -116,13 +113,11 @@ class _PlanState:
         times: dict[str, list[float]] = {}
         for s, a in zip(self.run_shard, self.run_start):
             times.setdefault(m.cache_key(s), []).append(a / n)
-        self.schedule = Schedule(times)
-        if ds.cache.config.policy != "lru":
-            ds.cache.set_policy(ClairvoyantPolicy(self.schedule))
+        self.schedule = tell_plan(ds.cache, Schedule(times))
         prefetch = cap_lookahead(ds.prefetch, ds.cache, m, 1)
         self.prefetcher: Prefetcher[int, CacheHandle] = Prefetcher(
-            self.run_shard, ds._get, size_of=lambda s: m.shards[s].bytes, release=CacheHandle.release,
-            config=prefetch, name="datacache-mapped-prefetch")
+            list(enumerate(self.run_shard)), self._fetch, size_of=lambda item: m.shards[item[1]].bytes,
+            release=CacheHandle.release, config=prefetch, name="datacache-mapped-prefetch")
         self.run = -1
         self.decoded: dict[int, Any] = {}
 
@@ -135,19 +130,24 @@ class _PlanState:
         self.pos += 1
         return self.decoded[index]
 
+    def _time(self, run: int) -> float:
+        return self.run_start[run] / max(len(self.order), 1)
+
+    def _fetch(self, item: tuple[int, int]) -> CacheHandle:
+        run, shard = item
+        return self.ds.source.fetch(shard, priority=run, use_at=self._time(run))
+
     def _next_run(self) -> None:
         self.run += 1
         a, b = self.run_start[self.run], self.run_start[self.run + 1]
-        self.schedule.advance(a / max(len(self.order), 1))
-        m = self.ds.manifest
+        if self.schedule is not None:
+            self.schedule.advance(self._time(self.run))
         shard = self.run_shard[self.run]
         ids = self.order[a:b]
-        local = ids - m.offsets[shard]
-        with self.prefetcher.take() as handle, self.ds.fmt.open(handle.path, **self.ds.reader_options) as reader:
-            lo, hi = int(local.min()), int(local.max()) + 1
-            rows = list(reader.iter_range(lo, hi)) if hi - lo <= 4 * len(ids) else None
-            self.decoded = {int(g): (rows[int(l) - lo] if rows is not None else reader.get(int(l)))
-                            for g, l in zip(ids, local)}
+        local = ids - self.ds.manifest.offsets[shard]
+        with self.prefetcher.take() as handle:
+            rows = self.ds.source.read_rows(shard, handle, local.tolist())
+        self.decoded = {int(g): rows[int(l)] for g, l in zip(ids, local)}
 
     def close(self) -> None:
         self.prefetcher.close()

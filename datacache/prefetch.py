@@ -78,6 +78,18 @@ class Prefetcher(Generic[T, R]):
         self._step = max(int(mean), 1)
         self._spawn(self._active)
 
+    @classmethod
+    def bounded(cls, items: Sequence[T], load: Callable[[T], R], *, ahead: int,
+                release: Callable[[R], None] | None = None, name: str = "datacache-prefetch") -> "Prefetcher[T, R]":
+        """One thread, at most ``ahead`` items started ahead of the consumer, no adaptation: the
+        plain pipeline stage (decoding, batching). ``load``, ``release``, ``name`` as for the
+        constructor."""
+        if ahead < 1:
+            raise ValueError(f"ahead must be >= 1 item, not {ahead}")
+        config = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=ahead, max_lookahead_bytes=ahead,
+                                adaptive=False)
+        return cls(items, load, size_of=lambda _: 1, release=release, config=config, name=name)
+
     # ------------------------------------------------------------------ threads
     def _spawn(self, n: int) -> None:
         while len(self._threads) < min(n, self.config.max_threads, max(len(self._items), 1)):

@@ -32,8 +32,8 @@ import xxhash
 from .config import format_size
 from .errors import CacheError
 
-__all__ = ["Tier", "ensure_private_dir", "key_id", "KeyLock", "try_pin", "try_lock_exclusive", "unlock_close",
-           "NO_SPACE_ERRNOS"]
+__all__ = ["Tier", "ensure_private_dir", "key_id", "KeyLock", "try_pin", "lock_nonblocking", "unlock_close",
+           "remove_if_exists", "GONE", "BUSY", "NO_SPACE_ERRNOS"]
 
 log = logging.getLogger("datacache.cache")
 
@@ -173,29 +173,43 @@ def unlock_close(fd: int) -> None:
         os.close(fd)
 
 
-def _open_locked(path: str, op: int) -> int | None:
-    """Open ``path`` read-only and ``flock`` it with ``op`` without blocking; None if gone or busy."""
+GONE = -1  # lock_nonblocking: the file does not exist
+BUSY = -2  # lock_nonblocking: someone holds a conflicting lock
+
+
+def lock_nonblocking(path: str, *, exclusive: bool) -> int:
+    """Open ``path`` read-only and ``flock`` it (exclusive or shared) without blocking.
+
+    Returns the descriptor holding the lock, ``GONE`` if the file does not exist, or ``BUSY`` if a
+    conflicting lock is held (a pinned entry, for an exclusive request). The one non-blocking
+    ``flock`` of the cache: pins, eviction claims and ``clear`` all use it.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None
+        return GONE
     try:
-        fcntl.flock(fd, op | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        return None
+        return BUSY
     return fd
 
 
 def try_pin(path: str) -> int | None:
     """Open ``path`` with a shared lock; ``None`` if it is gone or being evicted. Returns the fd."""
-    fd = _open_locked(path, fcntl.LOCK_SH)
-    if fd is not None and os.fstat(fd).st_nlink == 0:  # unlinked between open and lock
+    fd = lock_nonblocking(path, exclusive=False)
+    if fd < 0:
+        return None
+    if os.fstat(fd).st_nlink == 0:  # unlinked between open and lock
         unlock_close(fd)
         return None
     return fd
 
 
-def try_lock_exclusive(path: str) -> int | None:
-    """Open ``path`` with an exclusive lock without blocking; ``None`` if pinned or gone."""
-    return _open_locked(path, fcntl.LOCK_EX)
+def remove_if_exists(path: str) -> None:
+    """``os.unlink`` that ignores a file that is already gone."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -142,11 +142,9 @@ def final_check(cfg: dict[str, Any], budgets: dict[str, int]) -> tuple[list[str]
         for tier, budget in budgets.items():
             if stats[f"used_{tier}"] > budget:
                 problems.append(f"{tier} tier uses {stats[f'used_{tier}']} bytes, over its budget {budget}")
-        for key, entry in cache.entries():
-            for tier, rec in entry.tiers.items():
-                path = cache.tiers[tier].file_path(rec["file"])
-                if hash_file(path) != entry.hash:
-                    problems.append(f"entry {key} in the {tier} tier does not verify ({path})")
+        for key, entry, tier, path in cache.entry_files():
+            if hash_file(path) != entry.hash:
+                problems.append(f"entry {key} in the {tier} tier does not verify ({path})")
     return problems, stats
 
 

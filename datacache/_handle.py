@@ -1,0 +1,103 @@
+"""The handles ``NodeCache.get`` returns, and the directory of pass-through copies.
+
+A ``CacheHandle`` pins one entry file (a shared ``flock``) until released. Entries the policy does
+not admit are served as *pass-through* copies: private files in ``PassDir``, deleted on release.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import tempfile
+import threading
+from typing import Any
+
+from .tiers import Tier, ensure_private_dir, remove_if_exists, unlock_close
+
+__all__ = ["CacheHandle", "PassDir"]
+
+log = logging.getLogger("datacache.cache")
+
+
+class CacheHandle:
+    """A pinned local file holding one entry. ``path`` stays valid until ``release()``.
+
+    ``tier`` is "ram", "ssd" or "pass" (not admitted: a private file deleted on release). Release
+    is idempotent; a handle is also a context manager. Not thread-safe (one owner at a time).
+    """
+
+    def __init__(self, key: str, path: str, size: int, tier: str, fd: int) -> None:
+        self.key, self.path, self.size, self.tier = key, path, size, tier
+        self._fd = fd
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def mmap(self) -> mmap.mmap:
+        """A read-only memory map of the entry (valid while the handle is held)."""
+        return mmap.mmap(self._fd, 0, prot=mmap.PROT_READ) if self.size else mmap.mmap(-1, 1)
+
+    def read(self) -> bytes:
+        with open(self.path, "rb") as f:
+            return f.read()
+
+    def release(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
+        if self._pid != os.getpid():  # a forked child's copy: the pin (and a pass file) are the parent's
+            os.close(fd)
+            return
+        if self.tier == "pass":
+            remove_if_exists(self.path)
+        unlock_close(fd)
+
+    def __enter__(self) -> "CacheHandle":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"CacheHandle({self.key!r}, tier={self.tier!r}, size={self.size})"
+
+
+class PassDir:
+    """Where pass-through copies are written: the fastest enabled tier's data directory, else a
+    private ``pass`` directory beside the index; after ENOSPC there, a private directory on another
+    file system (``/dev/shm`` or the temp dir). Thread-safe."""
+
+    def __init__(self, tiers: list[Tier], control_dir: str) -> None:
+        enabled = [t for t in tiers if t.enabled]
+        self.path = enabled[0].data_dir if enabled else ensure_private_dir(os.path.join(control_dir, "pass"))
+        self._lock = threading.Lock()
+
+    def move_after(self, failed_dir: str, exc: OSError) -> bool:
+        """Move to another file system after ENOSPC in ``failed_dir``; False when there is none left
+        to try (True at once if another thread already moved)."""
+        with self._lock:
+            if self.path != failed_dir:
+                return True
+            for base in ("/dev/shm", tempfile.gettempdir()):
+                path = os.path.join(base, f"datacache-pass-{os.getuid()}")
+                if not os.path.isdir(base) or os.path.realpath(path) == os.path.realpath(self.path):
+                    continue
+                if os.path.exists(self.path) and os.stat(base).st_dev == os.stat(self.path).st_dev:
+                    continue
+                try:
+                    self.path = ensure_private_dir(path)
+                except OSError:
+                    continue
+                log.warning("datacache: no space for pass-through copies (%s); using %s and continuing", exc, path)
+                return True
+            return False

@@ -1,0 +1,78 @@
+"""What the consumers of one node will read, and when: the node-level view of the epoch plan.
+
+A node runs several consumers (data-parallel ranks times DataLoader workers). The cache is shared
+by all of them, so it must know all of their reads: ``node_schedule`` gives the next-use times of
+every shard for every consumer of the node (this epoch and the next), ``warm_order`` the order in
+which the node first needs its shards, and ``cap_lookahead`` bounds what the consumers may pin
+ahead. ``node_dp_ranks`` maps the global ranks of a node to its data-parallel ranks. Pure
+functions of the plan; thread-safe.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from .cache import NodeCache
+from .config import PrefetchConfig
+from .eviction import Schedule
+from .manifest import Manifest
+from .plan import PlanSpec, build_plan
+
+__all__ = ["node_schedule", "warm_order", "cap_lookahead", "node_dp_ranks"]
+
+
+def node_dp_ranks(ranks: Iterable[int], replication: int = 1) -> list[int]:
+    """The data-parallel ranks of the global ``ranks`` of a node, when ``replication``
+    consecutive ranks (a tensor/pipeline-parallel group) read the same samples."""
+    return sorted({int(r) // max(int(replication), 1) for r in ranks})
+
+
+def node_schedule(manifest: Manifest, counts: np.ndarray, spec: PlanSpec, dp_ranks: Sequence[int],
+                  first_plan_order: np.ndarray | None = None) -> Schedule:
+    """Next-use times of every shard for every consumer of the node (data-parallel ranks
+    ``dp_ranks`` x ``spec.num_workers`` workers), for ``spec.epoch`` and the next epoch.
+    ``first_plan_order``: the order that replaces this epoch's global order (a resume)."""
+    times: dict[str, list[float]] = {}
+    for epoch in (spec.epoch, spec.epoch + 1):
+        for r in dp_ranks:
+            for w in range(spec.num_workers):
+                sub = dataclasses.replace(spec, epoch=epoch, dp_rank=r, worker_id=w)
+                order = first_plan_order if epoch == spec.epoch else None
+                plan = build_plan(counts, sub, order=order, shards_only=True)
+                for shard, t in plan.shard_times(epoch):
+                    times.setdefault(manifest.cache_key(shard), []).append(t)
+    return Schedule(times)
+
+
+def warm_order(counts: np.ndarray, spec: PlanSpec, dp_ranks: Sequence[int]) -> list[int]:
+    """The shards this node's consumers need, first need first: every consumer's (data-parallel rank
+    in ``dp_ranks``, worker in ``range(spec.num_workers)``) shard sequence for ``spec.epoch``,
+    interleaved by node-clock time (``ConsumerPlan.shard_times``), deduplicated."""
+    events: list[tuple[float, int, int, int]] = []
+    consumer = 0
+    for r in dp_ranks:
+        for w in range(max(spec.num_workers, 1)):
+            plan = build_plan(counts, dataclasses.replace(spec, dp_rank=r, worker_id=w), shards_only=True)
+            last, j = None, 0
+            for shard, t in plan.shard_times(spec.epoch):
+                j = j + 1 if t == last else 0  # shards of one window share its start time: keep run order
+                last = t
+                events.append((t, j, consumer, shard))
+            consumer += 1
+    events.sort()
+    return list(dict.fromkeys(shard for *_, shard in events))
+
+
+def cap_lookahead(prefetch: PrefetchConfig, cache: NodeCache, manifest: Manifest, consumers: int) -> PrefetchConfig:
+    """Cap the lookahead so the node's ``consumers`` pin at most a quarter of the fastest tier:
+    pinned entries cannot be evicted, and a cache full of pins serves nothing twice."""
+    budget = next((b for b in cache.budgets().values() if b > 0), 0)
+    if budget == 0:
+        return prefetch
+    biggest = max((s.bytes for s in manifest.shards), default=1)
+    cap = max(budget // (4 * max(consumers, 1)), biggest)
+    la = min(int(prefetch.lookahead_bytes), cap)
+    return dataclasses.replace(prefetch, lookahead_bytes=la,
+                               max_lookahead_bytes=max(la, min(int(prefetch.max_lookahead_bytes), cap)))
