@@ -56,13 +56,30 @@ def _shared_int() -> torch.Tensor:
 class StreamingDataset(tud.IterableDataset):
     """Stream a datacache dataset through the node cache (see the module docstring).
 
-    ``batch_size``: when set, yields collated batches (``collate_fn``, default: tensors for numbers
-    and equal-shape arrays, lists otherwise) straight from the reader; use ``DataLoader(ds,
-    batch_size=None)``. ``replication=k``: the k consecutive ranks of a tensor/pipeline-parallel
-    group receive identical samples (or pass ``dp_rank``/``dp_size`` explicitly).
-    ``on_error="skip"`` skips a shard that cannot be read (its object missing or not matching the
-    manifest, or unparsable by the reader) instead of raising: one warning per shard, counted in
-    ``stats()["skipped_shards"]``; the other shards' samples are delivered.
+    Arguments (all but ``url`` keyword-only):
+
+    - ``url``: the dataset's prefix (any fsspec URL holding a ``manifest.json``).
+    - ``storage_options``: fsspec options for the store (credentials, ``client_kwargs``...).
+    - ``cache``: a ``CacheConfig`` (default ``CacheConfig()``, from ``DATACACHE_*`` variables and
+      defaults) or an open ``NodeCache`` to share with other datasets.
+    - ``shuffle``, ``seed``: the seeded shard and sample shuffle; the same ``seed`` on every rank.
+    - ``drop_last``: drop the samples that do not divide evenly among ranks, instead of padding.
+    - ``window``: shard runs a sample may move across in the sliding-window shuffle.
+    - ``transform``: applied to each sample (in the consumer's process) before it is yielded.
+    - ``batch_size``: when set, yields collated batches (``collate_fn``, default: tensors for
+      numbers and equal-shape arrays, lists otherwise) straight from the reader; use
+      ``DataLoader(ds, batch_size=None)``.
+    - ``collate_fn``: how batched mode collates a list of samples.
+    - ``replication=k``: the k consecutive ranks of a tensor/pipeline-parallel group receive
+      identical samples; or pass ``dp_rank`` and ``dp_size`` (both) explicitly.
+    - ``prefetch``, ``transfer``, ``retry``: the prefetch pool, the store's transfers and its
+      retries (``PrefetchConfig``, ``TransferConfig``, ``RetryConfig``).
+    - ``reader_options``: keyword arguments for the format's reader.
+    - ``on_error="skip"`` skips a shard that cannot be read (its object missing or not matching
+      the manifest, or unparsable by the reader) instead of raising: one warning per shard, counted
+      in ``stats()["skipped_shards"]``; the other shards' samples are delivered. Default "raise".
+    - ``dist``: where this process sits (rank, world and node sizes); default: detected from
+      ``torch.distributed`` or the launcher's variables (``datacache.dist.detect``).
     """
 
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
