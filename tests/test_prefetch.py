@@ -57,13 +57,28 @@ def test_an_item_bigger_than_the_budget_still_flows() -> None:
 
 def test_waiting_consumer_raises_concurrency_and_calm_one_lowers_it() -> None:
     cfg = PrefetchConfig(threads=1, max_threads=6, lookahead_bytes=2, max_lookahead_bytes=20)
-    slow = Prefetcher(range(12), lambda i: (time.sleep(0.01), i)[1], size_of=lambda i: 1, config=cfg)
-    list(slow)
+    gates = [threading.Event() for _ in range(12)]
+
+    def held(i: int) -> int:  # each item is loaded only once the consumer is already waiting for it
+        gates[i].wait(10)
+        return i
+
+    slow = Prefetcher(range(12), held, size_of=lambda i: 1, config=cfg)
+    for i in range(12):
+        threading.Timer(0.005, gates[i].set).start()
+        assert slow.take() == i
     assert slow.waits > 0 and slow.active_threads > 1 and slow.lookahead > 2
-    fast = Prefetcher(range(200), lambda i: i, size_of=lambda i: 1, config=cfg)
+    ready = [threading.Event() for _ in range(200)]
+
+    def instant(i: int) -> int:
+        ready[i].set()
+        return i
+
+    fast = Prefetcher(range(200), instant, size_of=lambda i: 1, config=cfg)
     fast._active, fast.lookahead = 6, 20  # as if it had grown
-    for _ in fast:
-        time.sleep(0.002)  # the consumer is the bottleneck: results are always ready
+    for i in range(200):
+        assert ready[i].wait(10)  # the consumer is the bottleneck: its next result is always ready
+        assert fast.take() == i
     assert fast.active_threads == cfg.threads and fast.lookahead == cfg.lookahead_bytes
     slow.close()
     fast.close()
@@ -88,21 +103,28 @@ def test_load_error_reaches_the_consumer_with_its_traceback() -> None:
 def test_close_is_idempotent_releases_results_and_never_hangs() -> None:
     released: list[int] = []
     gate = threading.Event()
+    first_four = threading.Barrier(4 + 1)  # items 0-3 loaded, and the test
+
+    blocked = threading.Event()
 
     def load(i: int) -> int:
         if i >= 4:
+            blocked.set()
             gate.wait(5)
+        else:
+            first_four.wait(10)
         return i
 
     p = Prefetcher(range(50), load, release=released.append,
                    config=PrefetchConfig(threads=4, lookahead_bytes=8, adaptive=False), name="tclose")
+    first_four.wait(10)  # items 0-3 are loaded (their results follow at once); 4+ block on the gate
     assert p.take() == 0
-    time.sleep(0.05)
+    assert blocked.wait(10)  # a thread is inside the load of item 4+
     t0 = time.monotonic()
     p.close(timeout=1.0)
     p.close()
     gate.set()
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # a hang guard: close waits at most its timeout for blocked loads
     assert set(released) <= set(range(1, 50)) and {1, 2, 3} <= set(released)
     assert all(t.name.startswith("tclose-") for t in p._threads)
     with pytest.raises(RuntimeError):
