@@ -98,3 +98,14 @@ def cache(tmp_path):
                               ssd_dir=str(tmp_path / "ssd")))
     yield c
     c.close()
+
+
+@pytest.fixture
+def small_dataset(s3_server: SeaweedServer, make_s3_url: Callable[[], str]) -> tuple[str, dict[str, Any], Any]:
+    """A fresh 40-sample dataset on the session server: 5 shards of 8 samples, sample ``i`` being
+    ``{"i": i, "data": _fault_helpers.payload(i, 1000)}``. Returns (url, storage_options, manifest)."""
+    import _fault_helpers as H
+
+    url, opts = make_s3_url(), s3_server.storage_options()
+    return url, opts, H.write(url, opts, 40, 1000, shard_bytes=8 * 1000)
+

@@ -21,12 +21,6 @@ SIZE = 1000
 N = 40  # 5 shards of 8 samples
 
 
-@pytest.fixture
-def dataset(s3_server: Any, make_s3_url: Any) -> tuple[str, dict[str, Any], Manifest]:
-    url, opts = make_s3_url(), s3_server.storage_options()
-    return url, opts, H.write(url, opts, N, SIZE, shard_bytes=8 * SIZE)
-
-
 def rewrite_manifest(url: str, opts: dict[str, Any] | None, m: Manifest, **changes: Any) -> Manifest:
     """Write a manifest like ``m`` with ``changes`` (a consistent, content-derived dataset id)."""
     new = Manifest(**{"format": m.format, "schema": m.schema, "shards": m.shards, **changes})
@@ -42,8 +36,8 @@ def samples_of_other_shards(m: Manifest, shard: int) -> list[int]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("change", ["same-size", "other-size", "deleted"])
-def test_shard_not_matching_the_manifest(change: str, dataset: Any, tmp_path: Path) -> None:
-    url, opts, m = dataset
+def test_shard_not_matching_the_manifest(change: str, small_dataset: Any, tmp_path: Path) -> None:
+    url, opts, m = small_dataset
     victim = m.shards[2]
     with open_store(url, opts) as store:
         data = store.read_bytes(victim.name)
@@ -82,8 +76,8 @@ def test_shard_not_matching_the_manifest(change: str, dataset: Any, tmp_path: Pa
 
 
 @pytest.mark.parametrize("case", ["truncated", "not-json", "wrong-dataset-id", "missing"])
-def test_bad_manifest(case: str, dataset: Any, tmp_path: Path) -> None:
-    url, opts, m = dataset
+def test_bad_manifest(case: str, small_dataset: Any, tmp_path: Path) -> None:
+    url, opts, m = small_dataset
     text = m.to_json()
     with open_store(url, opts) as store:
         if case == "truncated":
@@ -111,8 +105,8 @@ def test_wrong_bucket(s3_server: Any, tmp_path: Path) -> None:
     assert info.value.url == url + "manifest.json" and info.value.__cause__ is not None
 
 
-def test_wrong_credentials(dataset: Any, s3_server: Any, tmp_path: Path) -> None:
-    url = dataset[0]
+def test_wrong_credentials(small_dataset: Any, s3_server: Any, tmp_path: Path) -> None:
+    url = small_dataset[0]
     opts = {"key": s3_server.access_key, "secret": "not-the-right-secret-0001",
             "client_kwargs": {"endpoint_url": s3_server.endpoint_url, "region_name": "us-east-1"}}
     with pytest.raises(PermissionDeniedError) as info:
@@ -122,8 +116,8 @@ def test_wrong_credentials(dataset: Any, s3_server: Any, tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(60)
-def test_reader_given_a_shard_of_another_format(dataset: Any, tmp_path: Path) -> None:
-    url, opts, m = dataset
+def test_reader_given_a_shard_of_another_format(small_dataset: Any, tmp_path: Path) -> None:
+    url, opts, m = small_dataset
     rewrite_manifest(url, opts, m, format="parquet")  # the shards are zstd .dcz files
     ds = StreamingDataset(url, storage_options=opts, cache=H.cache_config(tmp_path))
     with pytest.raises(ReaderError, match="parquet") as info:

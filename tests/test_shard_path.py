@@ -20,14 +20,8 @@ import readers
 from datacache import CachedDataset, IntegrityError, Manifest, StreamingDataset, open_store
 from datacache.hashing import hash_bytes
 
-SIZE = 500
+SIZE = 1000
 N = 40  # 5 shards of 8 samples
-
-
-@pytest.fixture
-def dataset(s3_server: Any, make_s3_url: Any) -> tuple[str, dict[str, Any], Manifest]:
-    url, opts = make_s3_url(), s3_server.storage_options()
-    return url, opts, H.write(url, opts, N, SIZE, shard_bytes=8 * SIZE)
 
 
 def _replace_shard(url: str, opts: dict[str, Any], m: Manifest, shard: int, *, data: bytes | None = None,
@@ -73,9 +67,9 @@ ENTRY_POINTS = ["streaming", "streaming-workers", "mapped-planned", "mapped-off-
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
-def test_a_reader_failure_is_one_datacache_reader_error_from_every_entry_point(entry: str, dataset: Any,
+def test_a_reader_failure_is_one_datacache_reader_error_from_every_entry_point(entry: str, small_dataset: Any,
                                                                               tmp_path: Path) -> None:
-    url, opts, m = dataset
+    url, opts, m = small_dataset
     _, shard_url = _replace_shard(url, opts, m, 2, data=b"\x00garbage, not a zstd shard" * 40)
     read = _entry_points(url, opts, tmp_path, N)[entry]
     with pytest.raises(datacache.ReaderError) as info:
@@ -91,8 +85,8 @@ def test_a_reader_failure_is_one_datacache_reader_error_from_every_entry_point(e
 @pytest.mark.parametrize("declared", ["too-high", "too-low"])
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_a_sample_count_that_does_not_match_the_shard_is_an_integrity_error(entry: str, declared: str,
-                                                                           dataset: Any, tmp_path: Path) -> None:
-    url, opts, m = dataset
+                                                                           small_dataset: Any, tmp_path: Path) -> None:
+    url, opts, m = small_dataset
     actual = m.shards[1].samples
     new, shard_url = _replace_shard(url, opts, m, 1, samples=actual + 5 if declared == "too-high" else actual - 3)
     read = _entry_points(url, opts, tmp_path, min(new.num_samples, N))[entry]
