@@ -338,7 +338,7 @@ def cmd_write(ctx: Ctx) -> int:
             raise UsageError(f"{dest.url_of(MANIFEST_NAME)} already exists; pass --force to overwrite the dataset")
         n = 0
         with DatasetWriter(dest.url, format=a.format, shard_bytes=a.shard_bytes, progress=not ctx.quiet,
-                           store=dest) as w:
+                           store=dest, overwrite=a.force) as w:
             for sample in samples:
                 if a.format == "tar" and "__key__" in sample:  # tar members cannot name a "__" field
                     sample = dict(sample)

@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", action="store_true", help="folder: group files by basename (WebDataset-style)")
     p.add_argument("--src-type", choices=("auto", "folder", "parquet", "jsonl", "dataset"), default="auto",
                    help="what SRC is (default: guessed from it)")
-    p.add_argument("--force", action="store_true", help="write even if DEST already has a manifest.json")
+    p.add_argument("--force", action="store_true", help="replace DEST's dataset (old shards go once the new is live)")
 
     p = _sub(subs, "verify", "check cached and/or remote shards against the manifest hashes")
     p.add_argument("url", metavar="URL", help="dataset prefix (holding manifest.json)")

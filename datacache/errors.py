@@ -13,6 +13,8 @@ Every error names the URL or path it concerns, says what was expected, and what 
     |                               truncated, hostile: oversized declarations, bombs, unsafe members);
     |                               also a ``readers.ReaderError``, the readers' own base class
     +-- CacheError                  a cache directory is unusable (not ours, wrong mode, no space)
+    +-- DatasetExistsError          a write would replace a dataset without overwrite=True / --force
+                                    (also a FileExistsError)
 
 Backend errors are translated where they enter (``raise ... from exc``), so the original cause
 stays chained in ``__cause__``. Credentials never appear in messages. Reader failures enter at the
@@ -36,6 +38,7 @@ __all__ = [
     "IntegrityError",
     "ReaderError",
     "CacheError",
+    "DatasetExistsError",
 ]
 
 
@@ -97,3 +100,7 @@ def _rebuild(cls: type[DatacacheError], text: str, url: str | None, hint: str | 
 
 class CacheError(DatacacheError):
     """A cache directory is unusable."""
+
+
+class DatasetExistsError(DatacacheError, FileExistsError):
+    """The URL already holds a dataset and the write was not asked to replace it (overwrite=True)."""

@@ -25,7 +25,7 @@ import readers
 from ._openshards import open_shards
 from .cache import CacheHandle, NodeCache
 from .config import CacheConfig, RetryConfig, TransferConfig
-from .errors import IntegrityError, ReaderError
+from .errors import IntegrityError, NotFoundError, ReaderError
 from .eviction import ClairvoyantPolicy, Schedule
 from .manifest import Manifest, load_manifest
 from .storage import Store, open_store
@@ -105,7 +105,13 @@ class ShardSource:
                 kw["priority"] = priority
             if on_bytes is not None:
                 kw["on_bytes"] = on_bytes
-            self.store.read_into(info.name, path, **kw)
+            try:
+                self.store.read_into(info.name, path, **kw)
+            except NotFoundError as exc:  # not the store's generic hint: the manifest names this shard
+                raise NotFoundError(
+                    f"the manifest names shard {info.name!r} but the store has no such object", url=self.url(shard),
+                    hint="The dataset was replaced or its shards deleted after this manifest was read: open "
+                         "the dataset again to read its current manifest, or rewrite it") from exc
 
         try:
             return self.cache.get(self.key(shard), download, size=info.bytes, hash=info.hash, use_at=use_at,

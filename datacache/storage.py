@@ -31,10 +31,12 @@ restart from zero in the child.
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import time
 import weakref
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
+from contextlib import suppress
 from itertools import count
 from typing import Any, Callable
 
@@ -116,6 +118,23 @@ def _fs_options(protocol: str, storage_options: dict | None, transfer: TransferC
         config.setdefault("max_pool_connections", max(10, pool_size))
         opts["config_kwargs"] = config
     return opts
+
+
+def _replace_local(path: str, data: bytes) -> None:
+    """Atomically create or replace the local file ``path``: temp file, fsync, ``os.replace``."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def open_store(url: str, storage_options: dict | None = None, *, transfer: TransferConfig | None = None,
@@ -326,8 +345,12 @@ class Store:
         return size
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        """Create or replace object ``name`` with ``data``."""
-        self._call("write", name, lambda fs, p: fs.pipe_file(p, bytes(data)))
+        """Create or replace object ``name`` with ``data``, atomically: a reader sees the old object
+        or the new one, never a part (one PUT on object stores; on local file systems a temp file in
+        the same directory, fsync, ``os.replace``)."""
+        data = bytes(data)
+        self._call("write", name, lambda fs, p: _replace_local(p, data) if self.protocol == "file"
+                   else fs.pipe_file(p, data))
         self._bump("bytes_written", len(data))
 
     def put_file(self, local_path: str, name: str) -> None:
@@ -341,6 +364,26 @@ class Store:
             self._call("delete", name, lambda fs, p: fs.rm_file(p))
         except NotFoundError:
             pass
+
+    def delete_many(self, names: list[str]) -> list[tuple[str, Exception]]:
+        """Delete objects ``names`` (on the I/O pool, ``concurrency`` at a time); missing ones are
+        not an error. Never raises for a failed delete: returns ``(name, error)`` of each failure.
+        Not to be called from the store's own I/O threads (it waits on them)."""
+        if not names:
+            return []
+        try:
+            _, pool = self._ensure()
+        except StorageError as exc:  # closed, or no filesystem: every delete failed
+            return [(n, exc) for n in names]
+
+        def one(name: str) -> Exception | None:
+            try:
+                self.delete(name)
+                return None
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, per name
+                return exc
+        results = list(pool.map(one, names))
+        return [(n, e) for n, e in zip(names, results) if e is not None]
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process: requests (attempts), retries, bytes_read, bytes_written,

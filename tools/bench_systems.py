@@ -143,7 +143,10 @@ def write(spec: dict[str, Any]) -> dict[str, Any]:
     if system == "datacache":
         import datacache
 
-        m = datacache.write_dataset(samples, spec["url"], storage_options=opts, shard_bytes=shard, progress=False)
+        # overwrite: bench.py writes only where its bench-meta.json is missing, which an earlier
+        # run that stopped after the dataset but before the meta leaves behind
+        m = datacache.write_dataset(samples, spec["url"], storage_options=opts, shard_bytes=shard, progress=False,
+                                    overwrite=True)
         return {"bytes": m.total_bytes, "files": len(m.shards)}
     tmp = tempfile.mkdtemp(prefix=f"bench-write-{system}-", dir=spec.get("tmp"))
     try:
