@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 from .cache import CacheHandle, NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
-from .errors import (CacheError, DatacacheError, IntegrityError, ManifestError, NotFoundError,
+from .errors import (CacheError, DatacacheError, DatasetExistsError, IntegrityError, ManifestError, NotFoundError,
                      PermissionDeniedError, ReaderError, StorageError, TransientStorageError)
 from .eviction import ClairvoyantPolicy, LRUPolicy, Schedule
 from .manifest import Manifest, ShardInfo, load_manifest
@@ -51,5 +51,5 @@ __all__ = [
     "StreamingDataset", "CachedDataset",
     "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size",
     "DatacacheError", "StorageError", "TransientStorageError", "NotFoundError", "PermissionDeniedError",
-    "ManifestError", "IntegrityError", "ReaderError", "CacheError",
+    "ManifestError", "IntegrityError", "ReaderError", "CacheError", "DatasetExistsError",
 ]
