@@ -6,10 +6,11 @@ DataLoader worker) computes its plan for the epoch (``datacache.plan``), tells t
 future reads of every consumer on the node (clairvoyant eviction), and prefetches its next shards
 into the RAM tier with an adaptive thread pool while it yields samples.
 
-Resume: ``state_dict()`` records the epoch and how many samples each worker has read;
-``load_state_dict()`` continues exactly there. With the same data-parallel size and worker count
-the order is exactly the one that would have come; with another world size (elastic) the samples
-not yet read are split among the new ranks and each is read exactly once.
+Resume: ``state_dict()`` records the epoch and how many samples each worker has delivered;
+``load_state_dict()`` continues exactly there (it also takes a ``StatefulDataLoader``'s state).
+With the same data-parallel size and worker count the order is exactly the one that would have
+come; with another world size or worker count the samples not yet delivered are split among the
+new consumers and each is read exactly once. The rules are in ``datacache.resume``.
 
 A dataset object is used by one iterating thread per process; ``stats()`` and ``set_epoch()`` may
 be called from the training loop.
@@ -32,14 +33,14 @@ from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
 from .dist import DistInfo, detect
 from .manifest import Manifest
 from .nodeplan import cap_lookahead, node_dp_ranks, node_schedule
-from .plan import DEFAULT_WINDOW, PlanSpec, build_plan, remainder_order
+from .plan import DEFAULT_WINDOW, PlanSpec, build_plan
 from .prefetch import Prefetcher
+from .resume import ResumeState, common_state, rank_state, resume_plan, start_state
 from .shards import ShardSource, tell_plan
 from .storage import Store
 
 __all__ = ["StreamingDataset"]
 
-_STATE_VERSION = 1
 _BATCH_AHEAD = 4  # batches collated ahead of the one handed out
 
 
@@ -116,7 +117,9 @@ class StreamingDataset(tud.IterableDataset):
         self._epoch = _shared_int()
         self.epoch = 0
         self._epoch_explicit = False  # set_epoch was called (a DataLoader worker inherits this)
-        self._resume: dict[str, Any] | None = None
+        self._resume: ResumeState | None = None  # loaded, not yet iterated
+        self._resume_base: ResumeState | None = None  # what the current iteration started from
+        self._in_workers = _shared_int()  # 1 while DataLoader workers iterate copies of this dataset
         self._consumer: Consumer | None = None
         self._collator: RingCollator | None = None
         self._worker = (0, 1)
@@ -133,7 +136,7 @@ class StreamingDataset(tud.IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (reshuffles); call before iterating, as with DistributedSampler."""
-        if self._resume is not None and self._resume["epoch"] != epoch:
+        if self._resume is not None and self._resume.epoch != epoch:
             self._resume = None
         self.epoch = int(epoch)
         self._epoch_explicit = True
@@ -148,29 +151,6 @@ class StreamingDataset(tud.IterableDataset):
             return node_dp_ranks(self.dist.node_ranks(), self.replication)
         return [self.dp_rank]
 
-    def _resume_order(self, spec: PlanSpec) -> tuple[np.ndarray | None, int]:
-        """(order override, samples to skip) for this consumer from a loaded state.
-
-        The state's ``chain`` lists earlier elastic resumes of this epoch; each turns the epoch's
-        order into the remainder it left. With the saved data-parallel size and worker count the plan
-        is rebuilt on that order and the consumer skips what it read (exact order); otherwise the
-        saved position becomes one more remainder, planned afresh for the new world.
-        """
-        st = self._resume
-        if st is None:
-            return None, 0
-        order = None
-        for link in st["chain"]:
-            order = remainder_order(self.counts, self._link_spec(spec, link), link["consumed"], order=order)
-        if st["dp_size"] == spec.dp_size and st["num_workers"] == spec.num_workers:
-            return order, int(st["consumed"][spec.worker_id])
-        return remainder_order(self.counts, self._link_spec(spec, st), st["consumed"], order=order), 0
-
-    @staticmethod
-    def _link_spec(spec: PlanSpec, link: Mapping[str, Any]) -> PlanSpec:
-        return PlanSpec(**{**spec.__dict__, "dp_size": link["dp_size"], "num_workers": link["num_workers"],
-                           "dp_rank": 0, "worker_id": 0})
-
     def __len__(self) -> int:
         """Samples this rank reads per epoch (batches in batched mode with one consumer)."""
         n = len(build_plan(self.counts, self._spec(1, 0), shards_only=True))
@@ -181,10 +161,11 @@ class StreamingDataset(tud.IterableDataset):
         info = tud.get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
         self._worker = (worker_id, num_workers)
-        if self._resume is not None and self._resume["epoch"] != self.epoch:
+        self._in_workers.fill_(int(info is not None))
+        if self._resume is not None and self._resume.epoch != self.epoch:
             self._resume = None  # set_epoch moved on (seen here only through the shared epoch)
         spec = self._spec(num_workers, worker_id)
-        order, skip = self._resume_order(spec)
+        order, skip = resume_plan(self.counts, spec, self._resume)
         plan = build_plan(self.counts, spec, order=order)
         schedule = None
         if self.cache.config.policy != "lru":
@@ -267,47 +248,54 @@ class StreamingDataset(tud.IterableDataset):
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
-        """Where this consumer is: epoch and samples read per worker (see the module docstring).
+        """Where this consumer is: epoch and samples delivered per worker (``ResumeState.to_dict``).
 
-        Called in the main process (``num_workers=0``) or, by ``StatefulDataLoader``, in each worker.
+        Called in the main process (``num_workers=0``) or, by ``StatefulDataLoader``, in each worker
+        (a worker's state holds only its own count; the loader's state holds them all). In the main
+        process while DataLoader workers iterate, the position is in the workers: ``RuntimeError``.
         """
         info = tud.get_worker_info()  # in a DataLoader worker, valid even before __iter__ ran
+        if info is None and int(self._in_workers):
+            raise RuntimeError("StreamingDataset.state_dict() in the main process while DataLoader workers read it: "
+                               "the position is in the workers; checkpoint torchdata's StatefulDataLoader.state_dict() "
+                               "instead (StreamingDataset.load_state_dict accepts it)")
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else self._worker
         if self._resume is not None:  # loaded but not iterated yet: still at the loaded position
-            r = self._resume
-            return {"version": _STATE_VERSION, "epoch": r["epoch"], "seed": self.seed,
-                    "dataset_id": self.manifest.dataset_id, "dp_size": r["dp_size"], "num_workers": r["num_workers"],
-                    "worker_id": worker_id, "consumed": list(r["consumed"]), "chain": list(r["chain"])}
-        consumed = [0] * num_workers
-        base = getattr(self, "_resume_base", None)
-        chain: list[dict[str, Any]] = []
-        if base is not None and base["epoch"] == self.epoch:
-            chain = list(base["chain"])
-            if base["dp_size"] != self.dp_size or base["num_workers"] != num_workers:
-                chain.append({k: base[k] for k in ("dp_size", "num_workers", "consumed")})
+            if info is None:
+                return self._resume.to_dict()
+            return self._resume.pending(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
+                                        worker_id=worker_id).to_dict()
+        base = self._resume_base
+        if base is None or base.epoch != self.epoch:
+            base = start_state(epoch=self.epoch, seed=self.seed, dataset_id=self.manifest.dataset_id,
+                               dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers)
+        consumed = 0
         if self._consumer is not None and self._consumer.epoch == self.epoch:
             delivered = getattr(self, "_delivered", None)
-            consumed[worker_id] = self._consumer.consumed if delivered is None else delivered
-        return {"version": _STATE_VERSION, "epoch": self.epoch, "seed": self.seed, "dataset_id": self.manifest.dataset_id,
-                "dp_size": self.dp_size, "num_workers": num_workers, "worker_id": worker_id,
-                "consumed": consumed, "chain": chain}
+            consumed = self._consumer.consumed if delivered is None else delivered
+        return base.advanced(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
+                             worker_id=worker_id, consumed=consumed).to_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from ``state`` at the next ``__iter__`` (possibly with another world size)."""
-        if state.get("version") != _STATE_VERSION or state.get("dataset_id") != self.manifest.dataset_id:
-            raise ValueError("state_dict is from another dataset or datacache version; cannot resume")
-        if state.get("seed") != self.seed:
-            raise ValueError(f"state_dict was saved with seed={state.get('seed')}, this dataset has seed={self.seed}")
-        if tud.get_worker_info() is not None and self._epoch_explicit and int(state["epoch"]) != self.epoch:
+    def load_state_dict(self, state: Any) -> None:
+        """Resume from ``state`` at the next ``__iter__`` (possibly with another world size or
+        ``num_workers``). ``state``: what ``state_dict()`` returned, a ``StatefulDataLoader``'s
+        ``state_dict()``, a ``ResumeState``, or a list of several old ranks' states (checked to
+        agree; see ``datacache.resume`` for which state each new rank loads). ``ValueError`` if the
+        state is from another dataset or seed, or lacks counts this resume needs."""
+        st = common_state(state) if isinstance(state, (list, tuple)) else rank_state(state)
+        st.check_dataset(self.manifest.dataset_id, self.seed)
+        info = tud.get_worker_info()
+        if info is not None and self._epoch_explicit and st.epoch != self.epoch:
             # StatefulDataLoader loads worker states only at worker start, after the training loop's
             # set_epoch: an epoch selected there that differs from the state's wins, as set_epoch
             # after load_state_dict does in the main process (e.g. saved at the end of epoch e,
             # resumed with set_epoch(e + 1)).
             self._resume = None
             return
-        self.epoch = int(state["epoch"])
-        self._resume = {"epoch": self.epoch, "dp_size": int(state["dp_size"]), "num_workers": int(state["num_workers"]),
-                        "consumed": [int(c) for c in state["consumed"]], "chain": list(state.get("chain", []))}
+        if info is not None:  # torchdata gave this worker its own state: refuse one it cannot use
+            st.check_layout(self.dp_size, info.num_workers)
+        self.epoch = st.epoch
+        self._resume = st
 
     # ------------------------------------------------------------------ stats / lifecycle
     def stats(self) -> dict[str, Any]:

@@ -5,12 +5,17 @@
 ``load_state_dict(state)``, reads the rest, and asserts ``prefix + rest == reference`` exactly. A
 midpoint may be a tuple ``(k1, k2, ...)``: read k1, resume, read k2 more, resume again, ...
 With ``world=(N, M, ...)`` it checks elastic resumes instead (see ``_check_elastic``).
+
+``check_exactly_once(make_ds, [Stage(...), ...])`` checks save/resume from several ranks and from
+StatefulDataLoader workers, resumed with the same / fewer / more ranks and the same / other
+``num_workers``, in samples or batched mode, counting every read (see ``Stage``).
 """
 from __future__ import annotations
 
 import gc
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -94,13 +99,105 @@ def check_resume(make_ds: Callable[..., Any], midpoints: Sequence[int | Sequence
     return ref
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One run of an elastic resume check: ``dp_size`` ranks (simulated in this process, one after
+    the other, each a dataset with explicit ``dp_rank``/``dp_size``), each reading ``reads`` items
+    (``None``: to the end) and then saving its state.
+
+    ``num_workers``: ``None`` iterates the dataset itself; an int wraps it in torchdata's
+    ``StatefulDataLoader(num_workers=...)`` (0: in the main process) and checkpoints the loader.
+    ``load``: how each rank of this stage loads the previous stage's states: ``"all"`` the list of
+    every old rank's state (into the dataset), ``"mod"`` old rank ``r % old size``'s state (into the
+    dataset), ``"loader"`` its own old state into its new loader (torchdata's path; same layout).
+    """
+
+    dp_size: int
+    num_workers: int | None = None
+    reads: int | None = None
+    load: str = "all"
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        return self.dp_size, self.num_workers or 1
+
+
+def _ids(item: Any) -> list[int]:
+    n = norm(item)
+    return list(n) if isinstance(n, tuple) else [n]
+
+
+def _run_rank(make_ds: Callable[..., Any], stage: Stage, r: int, prev: list[Any] | None, epoch: int,
+              loader_batch: int | None) -> tuple[list[int], Any, int]:
+    """One rank of a stage: (sample ids read, its state, the dataset's sample count)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ds = make_ds(dp_rank=r, dp_size=stage.dp_size)
+    src = ds if stage.num_workers is None else StatefulDataLoader(ds, num_workers=stage.num_workers,
+                                                                  batch_size=loader_batch)
+    if prev is None:
+        ds.set_epoch(epoch)
+    elif stage.load == "loader":
+        src.load_state_dict(prev[r])
+    else:
+        ds.load_state_dict(prev[r % len(prev)] if stage.load == "mod" else prev)
+    it = iter(src)
+    try:
+        items = list(it) if stage.reads is None else [next(it) for _ in range(stage.reads)]
+        state = src.state_dict()
+    finally:
+        del it
+        ds.close()
+        gc.collect()
+    return [i for x in items for i in _ids(x)], state, int(ds.manifest.num_samples)
+
+
+def check_exactly_once(make_ds: Callable[..., Any], stages: Sequence[Stage], *, epoch: int = 0,
+                       loader_batch: int | None = None) -> list[int]:
+    """Run ``stages`` (each resuming from the one before; the last reads to the end) and check
+    exactly once by counting: every sample is read, and the reads exceed the sample count by
+    exactly the padding of the last plan (``drop_last=False``): that of the last stage that changed
+    the layout, ``(-unread) % dp_size``, with ``unread`` the samples not read before it. So an
+    interrupted stage must stop before any rank reaches its padding (the end of the last rank).
+    ``loader_batch``: the StatefulDataLoader's ``batch_size`` (``None`` in batched mode).
+    Every stage's rank states must agree (``common_state``): ranks save at the same step.
+    Returns every sample id read, in order."""
+    from datacache.resume import common_state
+
+    seen: list[int] = []
+    prev: list[Any] | None = None
+    pad, layout, total = 0, None, 0
+    for j, stage in enumerate(stages):
+        last = j == len(stages) - 1
+        assert last == (stage.reads is None), "only the last stage reads to the end"
+        if stage.layout != layout:
+            pad_base = total - len(set(seen)) if seen else None
+            layout = stage.layout
+        states = []
+        for r in range(stage.dp_size):
+            ids, state, total = _run_rank(make_ds, stage, r, prev, epoch, loader_batch)
+            seen += ids
+            states.append(state)
+        if pad_base is None:  # the first stage: the whole epoch
+            pad_base = total
+        pad = (-pad_base) % layout[0]
+        if not last:
+            common_state(states)  # lockstep ranks saved the same counts
+        prev = states
+    missing = set(range(total)) - set(seen)
+    assert not missing, f"{len(missing)} samples never read (e.g. {sorted(missing)[:5]})"
+    counts = Counter(seen)
+    assert len(seen) - total == pad, (f"{len(seen)} reads of {total} samples: {len(seen) - total} duplicates, "
+                                      f"padding accounts for {pad}; most repeated: {counts.most_common(3)}")
+    return seen
+
+
 def _check_elastic(make_ds: Callable[..., Any], reads: Sequence[int], world: Sequence[int], epoch: int,
                    make_loader: Callable[[Any], Any] | None) -> list[Any]:
     """Stage j runs ``world[j]`` ranks in this process, each reading ``reads[j]`` samples (the last
     stage reads to the end, through ``make_loader(ds)`` if given); the next stage loads rank 0's
-    state. Every sample must be read exactly
-    once over all stages, except padding repeats (fewer than the stage's rank count per stage), and
-    no stage may re-read a sample an earlier stage read."""
+    state. Every sample must be read exactly once over all stages, plus the last plan's padding,
+    and no stage may re-read a sample an earlier stage read."""
     assert len(reads) >= len(world) - 1
     seen: list[int] = []
     state = None
@@ -117,6 +214,7 @@ def _check_elastic(make_ds: Callable[..., Any], reads: Sequence[int], world: Seq
                 ds.load_state_dict(state)
             total = int(ds.manifest.num_samples)
             iters.append(iter(make_loader(ds) if last and make_loader else ds))
+        unread = total - len(set(seen))
         for it in iters:
             stage += [norm(x) for x in it] if last else _take(it, reads[j])
         if not last:
@@ -125,12 +223,9 @@ def _check_elastic(make_ds: Callable[..., Any], reads: Sequence[int], world: Seq
         for ds in datasets:
             ds.close()
         del iters
-        repeats = len(stage) - len(set(stage))
-        assert repeats < size, f"stage {j} repeats {repeats} samples (padding is < {size})"
         assert not set(stage) & set(seen), f"stage {j} re-reads samples read before the resume"
         seen += stage
     assert total is not None
     assert set(seen) == set(range(total)), f"{total - len(set(seen))} samples never read"
-    counts = Counter(seen)
-    assert sum(c - 1 for c in counts.values()) <= sum(w - 1 for w in world)
+    assert len(seen) - total == (-unread) % world[-1], f"{len(seen) - total} duplicates, padding is {(-unread) % world[-1]}"
     return seen

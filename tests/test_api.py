@@ -23,8 +23,8 @@ def test_all_is_guarded() -> None:
 
 def test_every_module_declares_all() -> None:
     for mod in ("datacache.cache", "datacache.config", "datacache.dataset", "datacache.errors", "datacache.eviction",
-                "datacache.manifest", "datacache.mapped", "datacache.plan", "datacache.prefetch", "datacache.storage", "datacache.writer",
-                "datacache.shards", "datacache.nodeplan",
+                "datacache.manifest", "datacache.mapped", "datacache.plan", "datacache.prefetch", "datacache.resume",
+                "datacache.storage", "datacache.writer", "datacache.shards", "datacache.nodeplan",
                 "readers", "readers.codec"):
         m = importlib.import_module(mod)
         for name in m.__all__:

@@ -1,0 +1,263 @@
+"""Resume state of a ``StreamingDataset``: what a checkpoint holds, how states merge, and how a
+consumer continues from one. Pure functions and immutable objects (thread-safe).
+
+The rules (the README's "Resuming" section says the same):
+
+- A state belongs to one data-parallel rank: the epoch, the rank's layout (``dp_size``,
+  ``num_workers``), how many samples of its plan each DataLoader worker has *delivered* (handed to
+  the training loop, not read ahead), and the chain of earlier elastic resumes of the epoch.
+- Same layout (same ``dp_size`` and ``num_workers``): every consumer rebuilds its plan and skips
+  what it delivered, so the order is exactly the uninterrupted one. Each rank loads its own state.
+- Another layout (elastic, or another ``num_workers``): the samples not delivered
+  (``plan.remainder_order``) are planned afresh for the new layout; every sample is read exactly
+  once (plus the new layout's padding). This needs every worker's count, and it takes one rank's
+  counts for all ranks: ranks advance in lockstep, so when every rank saves at the same training
+  step they all hold the same counts. Every new rank loads the same state: any old rank's, or the
+  list of all old ranks' states, which ``common_state`` checks agree (refusing otherwise).
+- ``StatefulDataLoader`` calls ``state_dict`` in each worker, and a worker knows only its own count
+  (the others are ``None``); the loader's state holds every worker's state as of the last batch
+  the loop received, and ``rank_state`` merges them into one complete rank state.
+  ``StreamingDataset.load_state_dict`` accepts all of these forms.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from .plan import PlanSpec, remainder_order
+
+__all__ = ["STATE_VERSION", "Link", "ResumeState", "start_state", "rank_state", "common_state", "resume_plan"]
+
+STATE_VERSION = 2
+_HOW = ("pass what StreamingDataset.state_dict() or StatefulDataLoader.state_dict() returned "
+        "(see datacache.resume)")
+
+
+def _count(name: str, value: Any, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"resume state: {name}={value!r}, expected an integer >= {low}; {_HOW}")
+    return int(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """An earlier elastic resume of the epoch: its layout and every worker's count. Immutable."""
+
+    dp_size: int
+    num_workers: int
+    consumed: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _count("dp_size", self.dp_size, 1)
+        _count("num_workers", self.num_workers, 1)
+        if len(self.consumed) != self.num_workers:
+            raise ValueError(f"resume state: chain link has {len(self.consumed)} counts for "
+                             f"num_workers={self.num_workers}; {_HOW}")
+        for c in self.consumed:
+            _count("chain consumed", c)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dp_size": self.dp_size, "num_workers": self.num_workers, "consumed": list(self.consumed)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Link:
+        return cls(dp_size=d["dp_size"], num_workers=d["num_workers"], consumed=tuple(d["consumed"]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeState:
+    """One rank's position in an epoch (see the module docstring). Immutable.
+
+    ``consumed[w]``: samples of worker ``w``'s plan delivered so far; ``None`` where this state
+    does not know it (a state saved inside one DataLoader worker). ``chain``: the epoch's earlier
+    elastic resumes, oldest first. ``dp_rank``: the rank that saved it (``None`` once merged).
+    """
+
+    epoch: int
+    seed: int
+    dataset_id: str
+    dp_size: int
+    num_workers: int
+    consumed: tuple[int | None, ...]
+    chain: tuple[Link, ...] = ()
+    dp_rank: int | None = None
+    version: int = STATE_VERSION
+
+    def __post_init__(self) -> None:
+        _count("epoch", self.epoch)
+        _count("dp_size", self.dp_size, 1)
+        _count("num_workers", self.num_workers, 1)
+        if len(self.consumed) != self.num_workers:
+            raise ValueError(f"resume state: {len(self.consumed)} counts for num_workers={self.num_workers}; {_HOW}")
+        for c in self.consumed:
+            if c is not None:
+                _count("consumed", c)
+        if self.dp_rank is not None and not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"resume state: dp_rank={self.dp_rank} not in [0, {self.dp_size}); {_HOW}")
+
+    @property
+    def complete(self) -> bool:
+        """Whether every worker's count is known (needed to resume with another layout)."""
+        return all(c is not None for c in self.consumed)
+
+    def same_layout(self, dp_size: int, num_workers: int) -> bool:
+        return (self.dp_size, self.num_workers) == (dp_size, num_workers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain Python values only (JSON- and ``torch.save``-friendly)."""
+        return {"version": self.version, "epoch": self.epoch, "seed": self.seed, "dataset_id": self.dataset_id,
+                "dp_size": self.dp_size, "dp_rank": self.dp_rank, "num_workers": self.num_workers,
+                "consumed": list(self.consumed), "chain": [link.to_dict() for link in self.chain]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ResumeState:
+        """Parse and validate ``to_dict``'s output (or a version-1 state); ``ValueError`` if invalid."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"resume state: got {type(d).__name__}, expected a mapping; {_HOW}")
+        version = d.get("version")
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"state_dict is from another dataset or datacache version (version={version!r}, "
+                             f"this datacache reads 1 and {STATE_VERSION}); cannot resume")
+        try:
+            consumed = list(d["consumed"])
+            if version == 1 and d["num_workers"] > 1:  # version 1 wrote 0 for the other workers' counts
+                consumed = [c if w == d["worker_id"] else None for w, c in enumerate(consumed)]
+            return cls(epoch=d["epoch"], seed=d["seed"], dataset_id=str(d["dataset_id"]), dp_size=d["dp_size"],
+                       num_workers=d["num_workers"], consumed=tuple(consumed), dp_rank=d.get("dp_rank"),
+                       chain=tuple(Link.from_dict(link) for link in d.get("chain", ())))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"resume state: missing or malformed field {exc}; {_HOW}") from None
+
+    def check_dataset(self, dataset_id: str, seed: int) -> None:
+        """Raise ``ValueError`` unless this state is from that dataset and seed."""
+        if self.dataset_id != dataset_id:
+            raise ValueError(f"state_dict is from another dataset ({self.dataset_id}, this is {dataset_id}); "
+                             "cannot resume")
+        if self.seed != seed:
+            raise ValueError(f"state_dict was saved with seed={self.seed}, this dataset has seed={seed}")
+
+    def check_layout(self, dp_size: int, num_workers: int) -> None:
+        """Raise ``ValueError`` if resuming with this layout needs counts this state lacks."""
+        if not (self.complete or self.same_layout(dp_size, num_workers)):
+            raise self._incomplete(f"resuming with dp_size={dp_size}, num_workers={num_workers}")
+
+    def _incomplete(self, what: str) -> ValueError:
+        known = [w for w, c in enumerate(self.consumed) if c is not None]
+        return ValueError(
+            f"this resume state knows only DataLoader worker {known}'s count (saved with dp_size={self.dp_size}, "
+            f"num_workers={self.num_workers}); {what} needs every worker's: pass the StatefulDataLoader's whole "
+            "state_dict() to StreamingDataset.load_state_dict before creating the new loader, and do not load "
+            "it into the new loader")
+
+    def as_link(self) -> Link:
+        """This (complete) state as a chain link."""
+        if not self.complete:
+            raise self._incomplete("an elastic resume")
+        return Link(dp_size=self.dp_size, num_workers=self.num_workers, consumed=tuple(int(c) for c in self.consumed))
+
+    def advanced(self, *, dp_size: int, dp_rank: int, num_workers: int, worker_id: int,
+                 consumed: int) -> ResumeState:
+        """The state of consumer ``worker_id`` that started from this state and has delivered
+        ``consumed`` samples of its plan (the other workers' counts unknown to it)."""
+        chain = self.chain if self.same_layout(dp_size, num_workers) else self.chain + (self.as_link(),)
+        counts: list[int | None] = [None] * num_workers
+        counts[worker_id] = consumed
+        return replace(self, dp_size=dp_size, dp_rank=dp_rank, num_workers=num_workers, consumed=tuple(counts),
+                       chain=chain, version=STATE_VERSION)
+
+    def pending(self, *, dp_size: int, dp_rank: int, num_workers: int, worker_id: int) -> ResumeState:
+        """What a DataLoader worker that loaded this state but has not delivered anything reports,
+        in its own layout (so it merges with the states of its fellow workers that did)."""
+        own = self.consumed[worker_id] if self.same_layout(dp_size, num_workers) else 0
+        return self.advanced(dp_size=dp_size, dp_rank=dp_rank, num_workers=num_workers, worker_id=worker_id,
+                             consumed=int(own or 0))
+
+
+def start_state(*, epoch: int, seed: int, dataset_id: str, dp_size: int, dp_rank: int, num_workers: int) -> ResumeState:
+    """The state at the start of an epoch (nothing delivered, no chain)."""
+    return ResumeState(epoch=epoch, seed=seed, dataset_id=dataset_id, dp_size=dp_size, dp_rank=dp_rank,
+                       num_workers=num_workers, consumed=(0,) * num_workers)
+
+
+def _worker_state(snapshot: Mapping[str, Any], key: str) -> ResumeState:
+    ds_state = (snapshot.get(key) or {}).get("dataset_state")
+    if ds_state is None:
+        raise ValueError(f"StatefulDataLoader state: {key} holds no StreamingDataset state; {_HOW}")
+    return ResumeState.from_dict(ds_state)
+
+
+def _key(s: ResumeState) -> tuple[Any, ...]:
+    return s.epoch, s.seed, s.dataset_id, s.dp_size, s.num_workers, s.chain
+
+
+def rank_state(state: Any) -> ResumeState:
+    """One rank's state from a ``StatefulDataLoader.state_dict()`` (any ``num_workers``: the
+    workers' states are merged into one with every worker's count), a ``StreamingDataset``
+    state dict, or a ``ResumeState``. ``ValueError`` if it cannot be made consistent."""
+    if isinstance(state, ResumeState):
+        return state
+    if not isinstance(state, Mapping):
+        raise ValueError(f"resume state: got {type(state).__name__}, expected a mapping; {_HOW}")
+    if "_snapshot" in state:
+        if state.get("_steps_since_snapshot", 0):
+            raise ValueError("StatefulDataLoader state taken between snapshots: create the loader with "
+                             "snapshot_every_n_steps=1 (the default) to resume a StreamingDataset from it")
+        snapshot = state["_snapshot"].get("_worker_snapshots") or {}
+        workers = [_worker_state(snapshot, f"worker_{w}") for w in range(len(snapshot))]
+        if not workers or any(_key(s) != _key(workers[0]) or s.num_workers != len(workers) or s.consumed[w] is None
+                              for w, s in enumerate(workers)):
+            raise ValueError(f"StatefulDataLoader state: its {len(workers)} workers' states disagree "
+                             f"({[s.to_dict() for s in workers]}); {_HOW}")
+        return replace(workers[0], consumed=tuple(s.consumed[w] for w, s in enumerate(workers)))
+    if "dataset_state" in state and "version" not in state:  # StatefulDataLoader with num_workers=0
+        return rank_state(state["dataset_state"])
+    return ResumeState.from_dict(state)
+
+
+def common_state(states: Sequence[Any]) -> ResumeState:
+    """The state every new rank loads for an elastic resume, from the states of several (ideally
+    all) old ranks: merged per rank (``rank_state``) and checked to agree, which they do when every
+    rank saved at the same training step. ``ValueError`` naming the ranks that differ otherwise."""
+    ranks = [rank_state(s) for s in states]
+    if not ranks:
+        raise ValueError(f"resume state: an empty list of rank states; {_HOW}")
+    first = ranks[0]
+    for s in ranks[1:]:
+        if _key(s) != _key(first) or s.consumed != first.consumed:
+            raise ValueError(
+                f"the ranks' resume states disagree: rank {first.dp_rank} saved epoch {first.epoch} counts "
+                f"{list(first.consumed)}, rank {s.dp_rank} saved epoch {s.epoch} counts {list(s.consumed)}; save "
+                "every rank at the same training step, or resume with the same dp_size and num_workers, where "
+                "each rank loads its own state")
+    return replace(first, dp_rank=None)
+
+
+def _link_spec(spec: PlanSpec, link: Link | ResumeState) -> PlanSpec:
+    return replace(spec, dp_size=link.dp_size, num_workers=link.num_workers, dp_rank=0, worker_id=0)
+
+
+def resume_plan(counts: np.ndarray, spec: PlanSpec, state: ResumeState | None) -> tuple[np.ndarray | None, int]:
+    """(order override, samples to skip) for consumer ``spec`` continuing from ``state``.
+
+    Each chain link turns the epoch's order into the remainder it left. With the state's layout
+    the plan is rebuilt on that order and the consumer skips what it delivered (exact order);
+    otherwise the state becomes one more remainder, planned afresh for the new layout.
+    """
+    if state is None:
+        return None, 0
+    order = None
+    for link in state.chain:
+        order = remainder_order(counts, _link_spec(spec, link), list(link.consumed), order=order)
+    if state.same_layout(spec.dp_size, spec.num_workers):
+        skip = state.consumed[spec.worker_id]
+        if skip is None:
+            raise ValueError(f"this resume state is another DataLoader worker's: it lacks worker {spec.worker_id}'s "
+                             "count; pass the StatefulDataLoader's whole state_dict() to the loader's or the "
+                             "dataset's load_state_dict")
+        return order, skip
+    state.check_layout(spec.dp_size, spec.num_workers)
+    link = state.as_link()
+    return remainder_order(counts, _link_spec(spec, link), list(link.consumed), order=order), 0

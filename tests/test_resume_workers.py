@@ -1,0 +1,154 @@
+"""Resuming from states saved in DataLoader workers (torchdata's StatefulDataLoader) and by several
+ranks: resumed with the same / fewer / more ranks and the same / other num_workers, in samples and
+batched mode, every sample exactly once (issue 11, point 1). All checks count every read
+(resume_helper.check_exactly_once); the state object itself is checked in test_resume_state_*."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from datacache import NodeCache, StreamingDataset, write_dataset
+from datacache.resume import ResumeState, common_state, rank_state
+from resume_helper import Stage, check_exactly_once
+
+N = 400
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def dataset_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    url = f"file://{tmp_path_factory.mktemp('resume-workers')}/ds"
+    write_dataset(({"i": i, "x": np.full(4, i, dtype=np.int32)} for i in range(N)), url,
+                  shard_bytes=2000, progress=False)
+    return url
+
+
+def factory(url: str, cache: NodeCache, **kw: Any):
+    def make_ds(dp_rank: int = 0, dp_size: int = 1) -> StreamingDataset:
+        return StreamingDataset(url, cache=cache, seed=5, dp_rank=dp_rank, dp_size=dp_size, **kw)
+    return make_ds
+
+
+# 2 ranks x 2 workers save after 5 batches of 8 (40 samples per rank, 20 per worker; a worker holds
+# 100 samples), as in the issue: resumed on 1 rank gave 300 duplicates there, on 3 ranks loading
+# rank r % 2's state 451 duplicates and 150 missing.
+SAVED = Stage(2, 2, 5)
+SAMPLE_STAGES = {
+    "fewer-ranks": [SAVED, Stage(1, 2)],
+    "same-layout-into-dataset": [SAVED, Stage(2, 2)],
+    "more-ranks-mod": [SAVED, Stage(3, 2, load="mod")],
+    "more-workers": [SAVED, Stage(2, 3)],
+    "main-process": [SAVED, Stage(2, 0)],
+    "same-then-elastic": [SAVED, Stage(2, 2, 3, load="loader"), Stage(3, 1)],
+    "main-into-workers": [Stage(1, 0, 9), Stage(2, 2)],
+    "dataset-into-workers": [Stage(2, None, 30), Stage(3, 2)],
+    "three-layouts": [SAVED, Stage(3, 3, 2, load="mod"), Stage(1, 2)],
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLE_STAGES))
+def test_exactly_once_from_workers(dataset_url: str, cache: NodeCache, name: str) -> None:
+    check_exactly_once(factory(dataset_url, cache), SAMPLE_STAGES[name], epoch=1, loader_batch=8)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("reads", [0, 1, 13, 24])  # of 25 batches per rank: before any, ..., the last but one
+def test_exactly_once_at_midpoints(dataset_url: str, cache: NodeCache, reads: int, batched: bool) -> None:
+    make = factory(dataset_url, cache, batch_size=8 if batched else None)
+    check_exactly_once(make, [Stage(2, 2, reads), Stage(3, 1)], loader_batch=None if batched else 8)
+
+
+BATCHED_STAGES = {
+    "fewer-ranks": [SAVED, Stage(1, 2)],
+    "more-ranks-fewer-workers": [SAVED, Stage(3, 1, load="mod")],
+    "same-then-more-workers": [SAVED, Stage(2, 2, 2, load="loader"), Stage(2, 4)],
+}
+
+
+@pytest.mark.parametrize("name", list(BATCHED_STAGES))
+def test_exactly_once_from_workers_batched(dataset_url: str, cache: NodeCache, name: str) -> None:
+    check_exactly_once(factory(dataset_url, cache, batch_size=8), BATCHED_STAGES[name], epoch=0)
+
+
+@pytest.mark.parametrize("new", [Stage(2, 3, load="loader"), Stage(2, 1, load="loader"),
+                                 Stage(1, 2, load="loader")])
+def test_loader_state_into_another_layout_is_refused(dataset_url: str, cache: NodeCache, new: Stage) -> None:
+    """A worker's own state cannot place the other workers: loading the old loader state into a
+    loader of another layout raises a clear error (was: AssertionError inside torchdata for another
+    num_workers, duplicates for another world size)."""
+    with pytest.raises(ValueError, match="needs every worker's"):
+        check_exactly_once(factory(dataset_url, cache), [SAVED, new], loader_batch=8)
+
+
+def test_state_dict_in_main_process_while_workers_iterate(dataset_url: str, cache: NodeCache) -> None:
+    from torch.utils.data import DataLoader
+
+    ds = factory(dataset_url, cache)()
+    it = iter(DataLoader(ds, batch_size=8, num_workers=2))
+    next(it)
+    with pytest.raises(RuntimeError, match="StatefulDataLoader"):
+        ds.state_dict()  # was: silently {"consumed": [0], ...}
+    del it
+    ds.close()
+
+
+def _loader_states(make_ds: Any, reads: list[int]) -> list[dict[str, Any]]:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    states = []
+    for r, k in enumerate(reads):
+        ds = make_ds(dp_rank=r, dp_size=len(reads))
+        loader = StatefulDataLoader(ds, num_workers=2, batch_size=8)
+        it = iter(loader)
+        for _ in range(k):
+            next(it)
+        states.append(loader.state_dict())
+        del it
+        ds.close()
+    return states
+
+
+def test_rank_states_that_disagree_are_refused(dataset_url: str, cache: NodeCache) -> None:
+    """Ranks that saved at different steps cannot all be resumed from one rank's counts."""
+    make = factory(dataset_url, cache)
+    states = _loader_states(make, [4, 5])
+    merged = [rank_state(s) for s in states]
+    assert merged[0].consumed == (16, 16) and merged[1].consumed == (24, 16)  # delivered, not read ahead
+    with pytest.raises(ValueError, match="disagree"):
+        make().load_state_dict(states)
+
+
+def test_snapshot_interval_is_refused(dataset_url: str, cache: NodeCache) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ds = factory(dataset_url, cache)()
+    loader = StatefulDataLoader(ds, num_workers=2, batch_size=8, snapshot_every_n_steps=2)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    ds.close()
+    with pytest.raises(ValueError, match="snapshot_every_n_steps=1"):
+        rank_state(state)
+
+
+def test_resume_state_round_trip() -> None:
+    st = ResumeState(epoch=2, seed=5, dataset_id="ds-1", dp_size=2, dp_rank=1, num_workers=3,
+                     consumed=(4, None, 7), chain=())
+    assert ResumeState.from_dict(st.to_dict()) == st
+    assert not st.complete and ResumeState.from_dict({**st.to_dict(), "consumed": [4, 5, 7]}).complete
+    with pytest.raises(ValueError, match="needs every worker's"):
+        st.check_layout(1, 3)
+    st.check_layout(2, 3)  # the same layout needs only the consumer's own count
+    # a version-1 state saved in worker 1 of 2 wrote 0 for worker 0, which it did not know
+    v1 = {"version": 1, "epoch": 0, "seed": 5, "dataset_id": "ds-1", "dp_size": 2, "num_workers": 2,
+          "worker_id": 1, "consumed": [0, 9], "chain": []}
+    assert ResumeState.from_dict(v1).consumed == (None, 9)
+    for bad in ({**st.to_dict(), "consumed": [1, 2]}, {**st.to_dict(), "epoch": -1}, {**st.to_dict(), "dp_rank": 2},
+                {**st.to_dict(), "version": 9}, {"version": 2}, [1, 2],
+                {**st.to_dict(), "chain": [{"dp_size": 2, "num_workers": 1, "consumed": [None]}]}):
+        with pytest.raises(ValueError):
+            ResumeState.from_dict(bad)  # type: ignore[arg-type]
+    assert common_state([st.to_dict(), {**st.to_dict(), "dp_rank": 0}]).dp_rank is None
