@@ -159,7 +159,7 @@ class ResumeState:
         return Link(dp_size=self.dp_size, num_workers=self.num_workers, consumed=tuple(int(c) for c in self.consumed))
 
     def advanced(self, *, dp_size: int, dp_rank: int, num_workers: int, worker_id: int,
-                 consumed: int) -> ResumeState:
+                 consumed: int | None) -> ResumeState:
         """The state of consumer ``worker_id`` that started from this state and has delivered
         ``consumed`` samples of its plan (the other workers' counts unknown to it)."""
         chain = self.chain if self.same_layout(dp_size, num_workers) else self.chain + (self.as_link(),)
@@ -170,10 +170,11 @@ class ResumeState:
 
     def pending(self, *, dp_size: int, dp_rank: int, num_workers: int, worker_id: int) -> ResumeState:
         """What a DataLoader worker that loaded this state but has not delivered anything reports,
-        in its own layout (so it merges with the states of its fellow workers that did)."""
+        in its own layout (so it merges with the states of its fellow workers that did); ``None``
+        if this state lacks the worker's count (then ``rank_state`` refuses the loader's state)."""
         own = self.consumed[worker_id] if self.same_layout(dp_size, num_workers) else 0
         return self.advanced(dp_size=dp_size, dp_rank=dp_rank, num_workers=num_workers, worker_id=worker_id,
-                             consumed=int(own or 0))
+                             consumed=own)
 
 
 def start_state(*, epoch: int, seed: int, dataset_id: str, dp_size: int, dp_rank: int, num_workers: int) -> ResumeState:

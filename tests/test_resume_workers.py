@@ -94,26 +94,39 @@ def test_state_dict_in_main_process_while_workers_iterate(dataset_url: str, cach
     ds.close()
 
 
-def _loader_states(make_ds: Any, reads: list[int]) -> list[dict[str, Any]]:
+def _loader_states(make_ds: Any, reads: list[int | None], seen: list[int],
+                   load: list[Any] | None = None) -> list[dict[str, Any]]:
+    """Rank r of len(reads) reads reads[r] batches (None: all) through StatefulDataLoader(num_workers=2),
+    from its own state in ``load`` if given; returns the loader states, appends the ids to ``seen``."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     states = []
     for r, k in enumerate(reads):
         ds = make_ds(dp_rank=r, dp_size=len(reads))
         loader = StatefulDataLoader(ds, num_workers=2, batch_size=8)
+        if load is not None:
+            loader.load_state_dict(load[r])
         it = iter(loader)
-        for _ in range(k):
-            next(it)
+        for batch in (it if k is None else (next(it) for _ in range(k))):
+            seen += batch["i"].tolist()
         states.append(loader.state_dict())
         del it
         ds.close()
     return states
 
 
+def test_ranks_at_different_steps_resume_their_own_states(dataset_url: str, cache: NodeCache) -> None:
+    """With the same layout each rank continues from its own state, in lockstep or not."""
+    make, seen = factory(dataset_url, cache), []
+    states = _loader_states(make, [4, 7], seen)
+    _loader_states(make, [None, None], seen, load=states)
+    assert sorted(seen) == list(range(N))
+
+
 def test_rank_states_that_disagree_are_refused(dataset_url: str, cache: NodeCache) -> None:
     """Ranks that saved at different steps cannot all be resumed from one rank's counts."""
     make = factory(dataset_url, cache)
-    states = _loader_states(make, [4, 5])
+    states = _loader_states(make, [4, 5], [])
     merged = [rank_state(s) for s in states]
     assert merged[0].consumed == (16, 16) and merged[1].consumed == (24, 16)  # delivered, not read ahead
     with pytest.raises(ValueError, match="disagree"):
