@@ -3,10 +3,14 @@
 A DataLoader worker hands a tensor to the main process by moving its storage into a fresh shared
 segment and passing a file descriptor over a socket, one connection per tensor: here about
 0.8 ms per tensor, more than the copy itself, and the fresh pages are faulted in on both sides.
-:class:`BatchRing` avoids all of it. A batch's fixed-shape fields (numbers, equal-shape arrays)
-are written into a *slot* of a ring mapped in both processes, and what crosses the queue is a
-small :class:`ShmBatch` that unpickles, in the receiving process, into tensors that are views of
-that slot (``_attach``). No copy, no descriptor, no fresh pages once the ring is warm.
+:class:`BatchRing` avoids all of it. A batch's fixed-shape columns (tensors, arrays, numbers:
+see ``_collate``) are written into a *slot* of a ring mapped in both processes. What crosses the
+queue is the batch's structure (dicts, lists, namedtuples as default_collate makes them) with a
+small :class:`ShmTensor` where each such tensor goes; all of a batch's refer to one
+:class:`ShmBatch`, which pickle sends once and unpickles, in the receiving process, into tensors
+that are views of that slot (``_attach``). No copy, no descriptor, no fresh pages once the ring is
+warm. Such a batch must not be collated again: :class:`ShmTensor` refuses ``default_collate``
+with a line saying so (a DataLoader with a ``batch_size`` of its own over batched mode).
 
 Slot life cycle (one state byte per slot in the ring's header page)::
 
@@ -30,113 +34,29 @@ Thread safety: a ring is filled by one producer thread; slots are freed from any
 from __future__ import annotations
 
 import itertools
-import math
 import mmap
+import operator
 import os
 import re
 import threading
 import weakref
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
+import torch
+from torch.utils.data._utils.collate import default_collate_fn_map
 
+from ._collate import Field, Layout, assemble, collate, plan
 from .tiers import remove_if_exists as _unlink
 
-__all__ = ["BatchRing", "RingCollator", "ShmBatch", "collate", "plan_layout", "shm_available"]
+__all__ = ["BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "collate", "shm_available"]
 
 _PAGE = mmap.PAGESIZE
-_ALIGN = 64
 _FREE, _IN_USE = 0, 1  # slot states: one byte per slot in the ring's header page
 _SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^datacache-batch-(\d+)-(\d+)-\d+$")
 _counter = itertools.count()
-
-
-class Field(NamedTuple):
-    """One fixed-shape field of a batch: where it lies in the slot (a tuple: cheap to pickle)."""
-
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-Layout = tuple[Field, ...]
-
-
-def _column(vals: list[Any]) -> np.dtype | tuple[np.dtype, tuple[int, ...]] | None:
-    """The (dtype, sample shape) a field's values collate to, or None if they stay a list."""
-    v0 = vals[0]
-    if type(v0) is int and all(type(v) is int for v in vals):
-        return np.dtype(np.int64), ()
-    if type(v0) is float and all(type(v) is float for v in vals):
-        return np.dtype(np.float64), ()
-    if isinstance(v0, np.ndarray) and v0.dtype != object and all(
-            isinstance(v, np.ndarray) and v.shape == v0.shape and v.dtype == v0.dtype for v in vals):
-        return v0.dtype, v0.shape
-    return None
-
-
-def plan_layout(samples: list[dict[str, Any]]) -> tuple[Layout, int]:
-    """The fixed-shape fields of ``samples`` collated, and the bytes they need."""
-    fields, pos = [], 0
-    for key in samples[0]:
-        col = _column([s[key] for s in samples])
-        if col is None:
-            continue
-        dtype, shape = col  # type: ignore[misc]
-        full = (len(samples), *shape)
-        f = Field(key, dtype.str, full, pos, math.prod(full) * dtype.itemsize)
-        fields.append(f)
-        pos += -(-f.nbytes // _ALIGN) * _ALIGN
-    return tuple(fields), pos
-
-
-def _fill(fields: Layout, arrays: list[np.ndarray], samples: list[dict[str, Any]]) -> None:
-    """Copy each sample's values into the batch arrays. Arrays go through ``memoryview`` slices,
-    a plain ``memcpy`` under the GIL: numpy would release and retake the GIL around every sample,
-    and with the pipeline's other threads waiting that is a futex round trip per sample."""
-    for f, out in zip(fields, arrays):
-        if out.ndim == 1:
-            out[:] = [s[f.key] for s in samples]
-            continue
-        dst, step = memoryview(out).cast("B"), f.nbytes // len(samples)
-        for i, s in enumerate(samples):
-            v = s[f.key]
-            if v.flags.c_contiguous:
-                dst[i * step:(i + 1) * step] = v.data.cast("B")
-            else:
-                out[i] = v
-
-
-def collate(samples: list[dict[str, Any]], ring: "BatchRing | None" = None) -> Any:
-    """Collate samples: numbers and equal-shape arrays become tensors (in ``ring`` when it has a
-    free slot of the right size), the rest lists. Field order is the first sample's."""
-    import torch
-
-    fields, nbytes = plan_layout(samples)
-    slot = ring.acquire(nbytes) if ring is not None and fields else None
-    if slot is None:
-        arrays = [np.empty(f.shape, np.dtype(f.dtype)) for f in fields]
-    else:
-        assert ring is not None
-        arrays = [ring.view(slot, f) for f in fields]
-    try:
-        _fill(fields, arrays, samples)
-    except BaseException:
-        if slot is not None:
-            assert ring is not None
-            ring.abandon(slot)
-        raise
-    fixed = {f.key for f in fields}
-    rest = {k: [s[k] for s in samples] for k in samples[0] if k not in fixed}
-    if slot is not None:
-        assert ring is not None
-        return ring.publish(slot, fields, rest, list(samples[0]))
-    tensors = {f.key: torch.from_numpy(a) for f, a in zip(fields, arrays)}
-    return {k: tensors[k] if k in tensors else rest[k] for k in samples[0]}
 
 
 class BatchRing:
@@ -186,12 +106,14 @@ class BatchRing:
     def _offset(self, slot: int) -> int:
         return _PAGE + slot * self.slot_bytes
 
-    def publish(self, slot: int, fields: Layout, rest: dict[str, Any], order: list[str]) -> Any:
-        """The filled slot as this process's tensors (anonymous ring) or a :class:`ShmBatch`."""
+    def publish(self, slot: int, fields: Layout) -> list[Any]:
+        """The filled slot's fields as this process's tensors (anonymous ring) or as
+        :class:`ShmTensor` handles of one :class:`ShmBatch`."""
         self.published += 1
         if self.path is None:
-            return _tensors(self._state, self._mm, self._offset(slot), slot, fields, rest, order)
-        return ShmBatch(self.path, self.size, self._offset(slot), slot, fields, rest, order)
+            return _tensors(self._state, self._mm, self._offset(slot), slot, fields)
+        batch = ShmBatch(self.path, self.size, self._offset(slot), slot, fields)
+        return [ShmTensor(batch, i) for i in range(len(fields))]
 
     def abandon(self, slot: int) -> None:
         """Give back a slot that was acquired but will not be published (its batch failed)."""
@@ -219,11 +141,12 @@ class RingCollator:
         self.ring: BatchRing | None = None
         self._tried = False
 
-    def __call__(self, samples: list[dict[str, Any]]) -> Any:
+    def __call__(self, samples: Sequence[Any]) -> Any:
+        batch = plan(samples)
         if not self._tried:
             self._tried = True
-            self.ring = self._make(plan_layout(samples)[1])
-        return collate(samples, self.ring)
+            self.ring = self._make(batch.nbytes)
+        return assemble(samples, batch, self.ring)
 
     def _make(self, nbytes: int) -> BatchRing | None:
         slot = -(-(nbytes + nbytes // 8) // _PAGE) * _PAGE  # room for slightly larger batches
@@ -240,16 +163,36 @@ class RingCollator:
 
 
 class ShmBatch:
-    """A batch in a ring slot, as sent through the DataLoader's queue; unpickles into a dict of
-    tensors viewing the slot (in the receiving process, which then owns the slot until it frees
-    the tensors)."""
+    """A batch's ring slot, as sent through the DataLoader's queue; unpickles into the list of its
+    fields' tensors viewing the slot (in the receiving process, which then owns the slot until it
+    frees the tensors)."""
 
-    def __init__(self, path: str, size: int, offset: int, slot: int, fields: Layout, rest: dict[str, Any],
-                 order: list[str]) -> None:
-        self.args = (path, size, offset, slot, fields, rest, order)
+    def __init__(self, path: str, size: int, offset: int, slot: int, fields: Layout) -> None:
+        self.args = (path, size, offset, slot, fields)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         return _attach, self.args
+
+
+class ShmTensor:
+    """Field ``index`` of a :class:`ShmBatch`, in the batch's structure; unpickles into its tensor
+    (pickle sends the batch once for all its fields)."""
+
+    __slots__ = ("batch", "index")
+
+    def __init__(self, batch: ShmBatch, index: int) -> None:
+        self.batch, self.index = batch, index
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return operator.getitem, (self.batch, self.index)
+
+
+def _refuse_collate(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
+    raise ValueError("datacache: the DataLoader collates batches that StreamingDataset(batch_size=...) already "
+                    "made: pass batch_size=None to the DataLoader, or drop batch_size from the dataset")
+
+
+default_collate_fn_map[ShmTensor] = _refuse_collate  # torch's documented way to extend default_collate
 
 
 class _SlotState:
@@ -279,17 +222,14 @@ def _field_array(mm: mmap.mmap, base: int, f: Field) -> np.ndarray:
     return np.frombuffer(mm, dtype, f.nbytes // dtype.itemsize, base + f.offset).reshape(f.shape)
 
 
-def _tensors(state: _SlotState, mm: mmap.mmap, base: int, slot: int, fields: Layout, rest: dict[str, Any],
-             order: list[str]) -> dict[str, Any]:
-    import torch
-
+def _tensors(state: _SlotState, mm: mmap.mmap, base: int, slot: int, fields: Layout) -> list[torch.Tensor]:
     state.hold(slot, len(fields))
-    out: dict[str, Any] = {}
+    out = []
     for f in fields:
         arr = _field_array(mm, base, f)
         weakref.finalize(arr, state.drop, slot)  # on the exact object the tensor keeps alive
-        out[f.key] = torch.from_numpy(arr)
-    return {k: out[k] if k in out else rest[k] for k in order}
+        out.append(torch.from_numpy(arr))
+    return out
 
 
 # ---------------------------------------------------------------- consumer side (main process)
@@ -301,8 +241,7 @@ _ATTACHED_RINGS: dict[int, tuple[str, _SlotState]] = {}
 _RINGS_LOCK = threading.Lock()
 
 
-def _attach(path: str, size: int, offset: int, slot: int, fields: Layout, rest: dict[str, Any],
-            order: list[str]) -> dict[str, Any]:
+def _attach(path: str, size: int, offset: int, slot: int, fields: Layout) -> list[torch.Tensor]:
     """Unpickle a :class:`ShmBatch`: map its ring once (and unlink the file), return its tensors."""
     producer = int(_NAME.match(os.path.basename(path)).group(2))  # type: ignore[union-attr]
     with _RINGS_LOCK:
@@ -310,7 +249,7 @@ def _attach(path: str, size: int, offset: int, slot: int, fields: Layout, rest: 
     if entry is None or entry[0] != path:
         entry = _attach_ring(producer, path, size)
     state = entry[1]
-    return _tensors(state, state.mm, offset, slot, fields, rest, order)
+    return _tensors(state, state.mm, offset, slot, fields)
 
 
 def _attach_ring(producer: int, path: str, size: int) -> tuple[str, _SlotState]:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -54,6 +56,28 @@ def _shared_int() -> torch.Tensor:
         return t
 
 
+def _loader_batch(caller: FrameType | None) -> int | None:
+    """The batch size of the DataLoader that batches this dataset's items itself (None: it does not,
+    or the caller is no DataLoader), which batched mode refuses. Nothing public tells a dataset, so
+    this looks at the frame that resumed ``__iter__``: torch's iterable-dataset fetcher
+    (StatefulDataLoader's too), whose ``auto_collation`` is set when the DataLoader has a
+    batch_size, and which holds the batch's indices. Any other caller (a loop over the dataset, a
+    future torch) gives None; its locals are not read (before Python 3.13 that would keep them
+    alive, this iterator among them)."""
+    try:
+        from torch.utils.data._utils.fetch import _BaseDatasetFetcher
+    except ImportError:
+        return None
+    if caller is None or caller.f_code.co_name != "fetch":
+        return None
+    local = caller.f_locals
+    fetcher = local.get("self")
+    if not isinstance(fetcher, _BaseDatasetFetcher) or not getattr(fetcher, "auto_collation", False):
+        return None
+    index = local.get("possibly_batched_index")
+    return len(index) if hasattr(index, "__len__") else 1
+
+
 class StreamingDataset(tud.IterableDataset):
     """Stream a datacache dataset through the node cache (see the module docstring).
 
@@ -67,9 +91,12 @@ class StreamingDataset(tud.IterableDataset):
     - ``drop_last``: drop the samples that do not divide evenly among ranks, instead of padding.
     - ``window``: shard runs a sample may move across in the sliding-window shuffle.
     - ``transform``: applied to each sample (in the consumer's process) before it is yielded.
-    - ``batch_size``: when set, yields collated batches (``collate_fn``, default: tensors for
-      numbers and equal-shape arrays, lists otherwise) straight from the reader; use
-      ``DataLoader(ds, batch_size=None)``.
+    - ``batch_size``: when set, yields collated batches (``collate_fn``, default: what
+      ``default_collate`` makes, with tensors, arrays and numbers written once into a
+      shared-memory ring; tensors or arrays of differing shapes stay lists) straight from the
+      reader; use ``DataLoader(ds, batch_size=None)`` (a DataLoader that batches again is
+      refused). A rank's batches are dealt whole to the DataLoader workers, so ``len()`` batches
+      come whatever ``num_workers`` is; with ``drop_last`` every batch is full.
     - ``collate_fn``: how batched mode collates a list of samples.
     - ``replication=k``: the k consecutive ranks of a tensor/pipeline-parallel group receive
       identical samples; or pass ``dp_rank`` and ``dp_size`` (both) explicitly.
@@ -95,6 +122,8 @@ class StreamingDataset(tud.IterableDataset):
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ValueError("on_error must be 'raise' or 'skip'")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive int or None (samples mode), got {batch_size!r}")
         self.source = ShardSource.open(url, storage_options=storage_options, cache=cache, transfer=transfer,
                                        retry=retry, reader_options=reader_options)
         self.store: Store = self.source.store
@@ -144,7 +173,7 @@ class StreamingDataset(tud.IterableDataset):
     def _spec(self, num_workers: int, worker_id: int, epoch: int | None = None) -> PlanSpec:
         return PlanSpec(seed=self.seed, epoch=self.epoch if epoch is None else epoch, shuffle=self.shuffle,
                         window=self.window, drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,
-                        num_workers=num_workers, worker_id=worker_id)
+                        num_workers=num_workers, worker_id=worker_id, batch_size=self.batch_size or 1)
 
     def _node_dp_ranks(self) -> list[int]:
         if self.dist.world_size == self.dp_size * self.replication and self.dist.world_size > 1:
@@ -152,9 +181,19 @@ class StreamingDataset(tud.IterableDataset):
         return [self.dp_rank]
 
     def __len__(self) -> int:
-        """Samples this rank reads per epoch (batches in batched mode with one consumer)."""
+        """Samples this rank reads per epoch; in batched mode its batches, exact for any number of
+        DataLoader workers (they get whole batches: the plan's step 3), so ``len(DataLoader(ds,
+        batch_size=None))`` is what comes."""
         n = len(build_plan(self.counts, self._spec(1, 0), shards_only=True))
         return n if self.batch_size is None else -(-n // self.batch_size)
+
+    def _check_loader(self, caller: FrameType | None) -> None:
+        """Refuse a DataLoader that batches batched mode's batches again."""
+        n = _loader_batch(caller) if self.batch_size is not None else None
+        if n is not None:
+            raise ValueError(f"datacache: StreamingDataset(batch_size={self.batch_size}) yields whole batches and the "
+                             f"DataLoader batches them again (its batch_size={n}; 1 is the default): pass "
+                             "batch_size=None to the DataLoader, or drop batch_size from the dataset")
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
@@ -162,6 +201,7 @@ class StreamingDataset(tud.IterableDataset):
         num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
         self._worker = (worker_id, num_workers)
         self._in_workers.fill_(int(info is not None))
+        self._check_loader(sys._getframe().f_back)
         if self._resume is not None and self._resume.epoch != self.epoch:
             self._resume = None  # set_epoch moved on (seen here only through the shared epoch)
         spec = self._spec(num_workers, worker_id)
@@ -264,17 +304,18 @@ class StreamingDataset(tud.IterableDataset):
             if info is None:
                 return self._resume.to_dict()
             return self._resume.pending(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
-                                        worker_id=worker_id).to_dict()
+                                        worker_id=worker_id, batch_size=self.batch_size or 1).to_dict()
         base = self._resume_base
         if base is None or base.epoch != self.epoch:
             base = start_state(epoch=self.epoch, seed=self.seed, dataset_id=self.manifest.dataset_id,
-                               dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers)
+                               dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
+                               batch_size=self.batch_size or 1)
         consumed = 0
         if self._consumer is not None and self._consumer.epoch == self.epoch:
             delivered = getattr(self, "_delivered", None)
             consumed = self._consumer.consumed if delivered is None else delivered
         return base.advanced(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
-                             worker_id=worker_id, consumed=consumed).to_dict()
+                             worker_id=worker_id, consumed=consumed, batch_size=self.batch_size or 1).to_dict()
 
     def load_state_dict(self, state: Any) -> None:
         """Resume from ``state`` at the next ``__iter__`` (possibly with another world size or
@@ -293,7 +334,7 @@ class StreamingDataset(tud.IterableDataset):
             self._resume = None
             return
         if info is not None:  # torchdata gave this worker its own state: refuse one it cannot use
-            st.check_layout(self.dp_size, info.num_workers)
+            st.check_layout(self.dp_size, info.num_workers, self.batch_size or 1)
         self.epoch = st.epoch
         self._resume = st
 

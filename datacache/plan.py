@@ -1,9 +1,9 @@
 """The epoch plan: which samples each consumer reads, in which order. A pure function.
 
 A plan depends only on (shard sample counts, seed, epoch, shuffle, window, drop_last, data-parallel
-size and rank, number of workers, worker id), so every process can compute every other process's
-plan: that is how a consumer knows its future reads exactly, and how the node's cache learns the
-next use of every shard for clairvoyant eviction. Steps:
+size and rank, number of workers, worker id, batch size), so every process can compute every other
+process's plan: that is how a consumer knows its future reads exactly, and how the node's cache
+learns the next use of every shard for clairvoyant eviction. Steps:
 
 1. Global order: the shards in a seeded permutation (per seed and epoch), each shard's samples
    contiguous. Every rank computes the same order.
@@ -11,7 +11,13 @@ next use of every shard for clairvoyant eviction. Steps:
    order by repeating samples from its start until it divides evenly (``padded`` counts them);
    ``drop_last=True`` drops the remainder. Every rank therefore reads the same number of samples,
    and, since the worker split below is the same everywhere, yields the same number of batches.
-3. Workers: a rank's part is cut into ``num_workers`` contiguous parts (sizes differ by at most 1).
+   In batched mode (``batch_size`` > 1) ``drop_last=True`` also drops a rank's last partial batch
+   (the remainder of the order modulo ``dp_size * batch_size``): every batch is full.
+3. Workers: a rank's part is cut into batches of ``batch_size`` (1 in samples mode) and the
+   batches into ``num_workers`` contiguous parts (batch counts differ by at most 1). Only the
+   rank's last batch may be short (the last of the worker that holds it): the rank yields
+   ``ceil(samples / batch_size)`` batches whatever ``num_workers`` is, which is what the
+   dataset's ``len()`` says.
 4. Sliding-window shuffle: a worker's samples form *runs* (consecutive samples of one shard). Each
    sample of run ``r`` gets the key ``r + U[0, 1) * min(window, (R - r + 1) / 2)`` (``R`` runs)
    and samples are read in key order, so a sample may move anywhere across ``window`` consecutive
@@ -54,6 +60,7 @@ class PlanSpec:
     dp_rank: int = 0
     num_workers: int = 1
     worker_id: int = 0
+    batch_size: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.dp_rank < self.dp_size:
@@ -62,6 +69,8 @@ class PlanSpec:
             raise ValueError(f"worker_id {self.worker_id} not in [0, {self.num_workers})")
         if self.window < 1:
             raise ValueError("window must be >= 1 shard")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
@@ -79,11 +88,12 @@ def global_order(counts: np.ndarray, spec: PlanSpec) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def split_even(order: np.ndarray, parts: int, drop_last: bool) -> tuple[list[np.ndarray], int]:
-    """Cut ``order`` into ``parts`` equal contiguous pieces; returns (pieces, padded count)."""
+def split_even(order: np.ndarray, parts: int, drop_last: bool, unit: int = 1) -> tuple[list[np.ndarray], int]:
+    """Cut ``order`` into ``parts`` equal contiguous pieces; returns (pieces, padded count).
+    ``drop_last`` drops the remainder, leaving pieces of a multiple of ``unit`` samples."""
     n = len(order)
     if drop_last:
-        per = n // parts
+        per = n // parts // unit * unit
         padded = 0
     else:
         per = -(-n // parts) if n else 0
@@ -94,8 +104,10 @@ def split_even(order: np.ndarray, parts: int, drop_last: bool) -> tuple[list[np.
     return [order[i * per:(i + 1) * per] for i in range(parts)], padded
 
 
-def _worker_piece(rank_seq: np.ndarray, num_workers: int, worker_id: int) -> np.ndarray:
-    bounds = np.linspace(0, len(rank_seq), max(num_workers, 1) + 1).round().astype(np.int64)
+def _worker_piece(rank_seq: np.ndarray, num_workers: int, worker_id: int, batch_size: int = 1) -> np.ndarray:
+    """Worker ``worker_id``'s contiguous share of whole batches of ``batch_size`` samples."""
+    batches = -(-len(rank_seq) // batch_size)
+    bounds = np.linspace(0, batches, max(num_workers, 1) + 1).round().astype(np.int64) * batch_size
     return rank_seq[bounds[worker_id]:bounds[worker_id + 1]]
 
 
@@ -163,8 +175,8 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
     offsets = _offsets(counts)
     if order is None:
         order = global_order(counts, spec)
-    pieces, padded = split_even(order, spec.dp_size, spec.drop_last)
-    piece = _worker_piece(pieces[spec.dp_rank], spec.num_workers, spec.worker_id)
+    pieces, padded = split_even(order, spec.dp_size, spec.drop_last, spec.batch_size)
+    piece = _worker_piece(pieces[spec.dp_rank], spec.num_workers, spec.worker_id, spec.batch_size)
     run_of, starts, runs = _runs(piece, offsets)
     window = spec.window if spec.shuffle else 1
     if shards_only:

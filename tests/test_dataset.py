@@ -92,6 +92,7 @@ def test_batched_mode_equal_batch_counts(location: tuple[str, Any], cache: NodeC
         assert all(isinstance(b["i"], torch.Tensor) and isinstance(b["x"], torch.Tensor) for b in batches)
         assert all(1 <= len(b["i"]) <= 8 and b["x"].shape == (len(b["i"]), 4) for b in batches)
         counts.append(len(batches))
+        assert len(batches) == len(ds)  # whole batches per worker: as many as with one consumer
         seen.update(ids_of(batches))
         ds.close()
     for rank in range(3, 7):
@@ -99,7 +100,7 @@ def test_batched_mode_equal_batch_counts(location: tuple[str, Any], cache: NodeC
         batches = list(ds)  # one consumer: ceil(35 / 8)
         seen.update(ids_of(batches))
         assert len(batches) == len(ds)
-    assert counts[0] == counts[1] == counts[2] == 2 * -(-((N + 6) // 7) // 2 // 8)
+    assert counts[0] == counts[1] == counts[2] == -(-((N + 6) // 7) // 8)
     assert set(seen) == set(range(N)) and sum(seen.values()) - N < 7  # padding only
 
 

@@ -155,7 +155,8 @@ def test_collate_fields() -> None:
     assert list(out) == ["i", "f", "b", "s", "a", "r"]
     assert out["i"].dtype == torch.int64 and out["i"].tolist() == [0, 1, 2, 3]
     assert out["f"].dtype == torch.float64 and out["f"].tolist() == [0, 0.5, 1, 1.5]
-    assert out["b"] == [False, True, False, True] and out["s"] == ["0", "1", "2", "3"]
+    assert out["b"].dtype == torch.bool and out["b"].tolist() == [False, True, False, True]  # as default_collate
+    assert out["s"] == ["0", "1", "2", "3"]
     assert out["a"].shape == (4, 2, 3) and float(out["a"][3, 1, 2]) == 3.0
     assert isinstance(out["r"], list) and len(out["r"][3]) == 4
 
