@@ -11,8 +11,9 @@ A sample is a ``dict`` field -> ``bytes | str | int | float | numpy.ndarray``. A
 
 Decoding is bounds-checked: a declared length or shape that does not fit the buffer raises
 :class:`ReaderError` and never allocates. ``ndarray`` fields decode zero-copy with
-:func:`numpy.frombuffer` (the arrays are read-only views of the buffer). All functions are pure
-and thread-safe.
+:func:`numpy.frombuffer`: the arrays are views of the buffer, writable when it is (the readers
+decode from writable memory, so samples can be changed in place). All functions are pure and
+thread-safe.
 """
 from __future__ import annotations
 

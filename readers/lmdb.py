@@ -116,7 +116,7 @@ class LmdbShardReader(_BaseReader):
         needed = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
         if size < needed:
             raise self._corrupt(f"file has {size} bytes but its pages need {needed}")
-        self._txn = self._env.begin(buffers=False)
+        self._txn = self._env.begin(buffers=True)  # values are copied once, into writable memory
         if self._n < 0:
             self._load_layout()
 
@@ -132,11 +132,11 @@ class LmdbShardReader(_BaseReader):
         entries = self._env.stat()["entries"]
         raw = self._txn.get(META_KEY)
         if raw is None:
-            self._keys = list(self._txn.cursor().iternext(keys=True, values=False))
+            self._keys = [bytes(k) for k in self._txn.cursor().iternext(keys=True, values=False)]
             self.schema, self._n = dict(_FOREIGN_SCHEMA), len(self._keys)
             return
         try:
-            meta = json.loads(raw)
+            meta = json.loads(bytes(raw))
             count, schema = meta["count"], meta["schema"]
         except (ValueError, TypeError, KeyError) as exc:
             raise self._corrupt(f"invalid metadata under {META_KEY!r} ({exc})") from None
@@ -152,13 +152,15 @@ class LmdbShardReader(_BaseReader):
     def _key(self, index: int) -> bytes:
         return self._keys[index] if self._keys is not None else _KEY.pack(index)
 
-    def _sample(self, index: int, key: bytes, value: bytes | None) -> Sample:
+    def _sample(self, index: int, key: memoryview | bytes, value: memoryview | None) -> Sample:
+        """Sample ``index`` from the buffers of the read transaction (valid only until it ends:
+        copied here, into bytes or a ``bytearray`` the sample's arrays view writably)."""
         if value is None or key != self._key(index):
             raise self._corrupt(f"sample {index} (key {self._key(index)!r}) is missing")
         if self._keys is not None:
-            return {"key": key, "value": value}
+            return {"key": bytes(key), "value": bytes(value)}
         try:
-            return decode_sample(value, self.schema or {})
+            return decode_sample(bytearray(value), self.schema or {})
         except ReaderError as exc:
             raise self._corrupt(f"sample {index}: {exc}") from None
 

@@ -110,6 +110,33 @@ def arrow_kind(dtype: pa.DataType) -> str:
     return "float" if pa.types.is_floating(dtype) else "any"
 
 
+def _values(column: pa.ChunkedArray, encoded: bool) -> list[Any]:
+    """A column's values as samples hold them: floats keep a narrower dtype as numpy scalars
+    (``float32`` stays ``float32``), ``encoded`` (codec-encoded array) columns are views of one
+    writable copy of the data, so their arrays are writable; else ``to_pylist``."""
+    if encoded:
+        return [v for chunk in column.chunks for v in _binary_views(chunk)]
+    if pa.types.is_floating(column.type) and column.type != pa.float64():
+        return [v if v is None else column.type.to_pandas_dtype()(v) for v in column.to_pylist()] \
+            if column.null_count else list(column.to_numpy())
+    return column.to_pylist()
+
+
+def _binary_views(chunk: pa.Array) -> list[memoryview | None]:
+    """The values of a binary array as views of one ``bytearray`` copy of its data buffer."""
+    _, offsets, data = chunk.buffers()
+    wide = pa.types.is_large_binary(chunk.type)
+    size = 8 if wide else 4
+    offs = np.frombuffer(offsets, "<i8" if wide else "<i4", len(chunk) + 1, chunk.offset * size).tolist()
+    copy = memoryview(bytearray(memoryview(data)[offs[0]:offs[-1]] if data is not None else b""))
+    base = offs[0]
+    views: list[memoryview | None] = [copy[a - base:b - base] for a, b in zip(offs, offs[1:])]
+    if chunk.null_count:
+        for i in np.flatnonzero(chunk.is_null().to_numpy(zero_copy_only=False)).tolist():
+            views[i] = None
+    return views
+
+
 class ParquetShardReader(_BaseReader):
     """Read a Parquet shard through a memory map, one row group at a time.
 
@@ -129,6 +156,11 @@ class ParquetShardReader(_BaseReader):
         self._cached: tuple[int, dict[str, list[Any]]] = (-1, {})
         self._ndarrays: list[str] = []  # columns holding codec-encoded arrays
         self._ensure_open()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_cached"] = (-1, {})  # views of this process's row group copy
+        return state
 
     def _error(self, what: str, exc: BaseException | None = None) -> ReaderError:
         detail = f" ({exc})" if exc is not None else ""
@@ -197,7 +229,7 @@ class ParquetShardReader(_BaseReader):
             table = self._pf.read_row_group(group, columns=names, use_threads=False)
         except (pa.ArrowException, OSError) as exc:
             raise self._error(f"row group {group} cannot be read", exc) from None
-        columns = {name: table.column(name).to_pylist() for name in names}
+        columns = {name: _values(table.column(name), name in self._ndarrays) for name in names}
         self._cached = (group, columns)
         return columns
 
@@ -218,6 +250,7 @@ class ParquetShardReader(_BaseReader):
 
     def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:
         assert self._ends is not None
+        self._cached = (-1, {})  # a new run decodes afresh: no earlier in-place write shows
         group, i = int(np.searchsorted(self._ends, start, side="right")), start
         while i < stop:
             base, end = self._group_start(group), min(stop, int(self._ends[group]))

@@ -50,7 +50,7 @@ def _encode_text(kind: str, value: Any) -> bytes:
     return encode_field(kind, value)
 
 
-def _decode_text(kind: str, raw: bytes) -> Any:
+def _decode_text(kind: str, raw: bytes | bytearray) -> Any:
     try:
         if kind == "int":
             return int(raw.decode("ascii"))
@@ -209,10 +209,17 @@ class TarShardReader(_BaseReader):
             raise self._corrupt(f"{SCHEMA_MEMBER} is {info.size} bytes, too large")
         self.schema = schema_from_json(self._read(info.offset_data, info.size), self.path)
 
-    def _read(self, offset: int, size: int) -> bytes:
+    def _read(self, offset: int, size: int, writable: bool = False) -> bytes | bytearray:
+        """``size`` bytes at ``offset``; into a ``bytearray`` when ``writable`` (arrays decoded from
+        it are then writable, at no extra copy)."""
         assert self._file is not None
-        data = os.pread(self._file.fileno(), size, offset)
-        if len(data) != size:
+        if writable:
+            data: bytes | bytearray = bytearray(size)
+            got = os.preadv(self._file.fileno(), [data], offset) if size else 0
+        else:
+            data = os.pread(self._file.fileno(), size, offset)
+            got = len(data)
+        if got != size:
             raise self._corrupt(f"truncated tar shard: short read at offset {offset}")
         return data
 
@@ -224,8 +231,8 @@ class TarShardReader(_BaseReader):
         schema = self.schema or {}
         sample: Sample = {"__key__": key}
         for field, offset, size in members:
-            raw = self._read(offset, size)
             kind = schema.get(field, "bytes")
+            raw = self._read(offset, size, writable=kind == "ndarray")
             try:
                 sample[field] = raw if kind == "bytes" else _decode_text(kind, raw)
             except ReaderError as exc:

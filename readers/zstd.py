@@ -35,6 +35,7 @@ import numpy as np
 import zstandard
 
 from ._bufpool import shared_pool
+from ._cowmap import CowMap
 from .base import ReaderError, Sample, Schema, ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
@@ -50,7 +51,6 @@ _FOOTER = struct.Struct("<QQQI4s")
 _HEAD = struct.Struct("<IQQQ")
 _BLOCK_ROW, _SAMPLE_ROW = 32, 16
 RAW_BLOCK = 1 << 63  # flag in a block's file_offset: stored uncompressed
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _HINT_FORMAT = "Check the dataset's 'format' in manifest.json"
 _HINT_CORRUPT = "The file is truncated or corrupt; delete it so the cache fetches it again"
 
@@ -188,7 +188,7 @@ class ZstdShardReader(_BaseReader):
     Not thread-safe: one reader per thread.
     """
 
-    _HANDLE_ATTRS = ("_file", "_mmap", "_dctx")
+    _HANDLE_ATTRS = ("_file", "_mmap", "_cow", "_dctx")
 
     def __init__(self, path: str | os.PathLike[str], *,
                  max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES) -> None:
@@ -196,6 +196,7 @@ class ZstdShardReader(_BaseReader):
         self.max_block_bytes = max_block_bytes
         self._file: Any = None
         self._mmap: mmap.mmap | None = None
+        self._cow: CowMap | None = None
         self._dctx: zstandard.ZstdDecompressor | None = None
         self._size = -1
         self._dict_bytes: bytes | None = None
@@ -225,8 +226,8 @@ class ZstdShardReader(_BaseReader):
                               f"{MAGIC!r})", path=self.path, hint=_HINT_FORMAT)
         if size < len(MAGIC) + _FOOTER.size:
             raise self._corrupt(f"only {size} bytes, too small for a footer")
-        # MAP_POPULATE: one call maps every page (a shard is read whole), not a fault per page
-        self._mmap = mmap.mmap(self._file.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        self._cow = CowMap(self._file.fileno(), size)  # copy-on-write: samples are writable
+        self._mmap = self._cow.map
         if self._size < 0:
             self._parse(size)
             self._size = size
@@ -238,15 +239,12 @@ class ZstdShardReader(_BaseReader):
             raise self._corrupt(f"invalid zstd dictionary ({exc})") from None
 
     def _close_handles(self) -> None:
-        if self._mmap is not None:
-            self._cached = (-1, memoryview(b""))
-            try:
-                self._mmap.close()
-            except BufferError:  # samples of raw blocks still view it: unmapped when they are gone
-                pass
+        self._cached = (-1, memoryview(b""))
+        if self._cow is not None:
+            self._cow.close()  # samples of raw blocks still view it: unmapped when they are gone
         if self._file is not None:
             self._file.close()
-        self._file = self._mmap = self._dctx = None
+        self._file = self._mmap = self._cow = self._dctx = None
         self._cached = (-1, memoryview(b""))
 
     def _parse(self, size: int) -> None:
@@ -332,9 +330,10 @@ class ZstdShardReader(_BaseReader):
             return self._cached[1]
         off, clen, rlen = (int(v) for v in self._blocks[block, :3])
         assert self._mmap is not None and self._dctx is not None
-        if off & RAW_BLOCK:  # zero-copy: the samples are views of the mapped file
-            off &= RAW_BLOCK - 1
-            view = memoryview(self._mmap)[off:off + rlen]
+        if off & RAW_BLOCK:  # zero-copy: the samples are writable views of the mapped file
+            assert self._cow is not None
+            self._cached = (-1, memoryview(b""))  # drop our view before the map checks for live ones
+            view = self._cow.region(off & (RAW_BLOCK - 1), rlen)
             self._cached = (block, view)
             return view
         with memoryview(self._mmap) as whole:
@@ -381,6 +380,7 @@ class ZstdShardReader(_BaseReader):
         return self._decode(memoryview(self._block(block)), offset, length, index)
 
     def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:
+        self._cached = (-1, memoryview(b""))  # a new run decodes afresh: no earlier in-place write shows
         block, i = self._block_of(start), start
         while i < stop:
             data = memoryview(self._block(block))
