@@ -20,16 +20,13 @@ from . import lmdb as _lmdb
 from . import parquet as _parquet
 from . import tar as _tar
 from . import zstd as _zstd
-from .base import ReaderError, ShardFormat, ShardReader, ShardWriter
+from .base import ShardFormat, ShardReader, ShardWriter
+from .errors import ReaderError, UnknownFormatError
 
 __all__ = [
     "FORMATS", "UnknownFormatError", "ReaderError", "ShardReader", "ShardWriter", "ShardFormat",
     "register_format", "get_format", "open_shard", "codec",
 ]
-
-
-class UnknownFormatError(ValueError):
-    """A shard format name that is not registered."""
 
 
 FORMATS: dict[str, Any] = {}

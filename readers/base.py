@@ -1,4 +1,4 @@
-"""Abstract shard reader/writer and the reader error type.
+"""Abstract shard reader/writer and the shard format record.
 
 A :class:`ShardReader` turns one *local* shard file into samples (``dict`` field -> value). It
 knows nothing of caches or networks. A :class:`ShardWriter` produces such a file from samples.
@@ -16,43 +16,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from .codec import Sample, Schema, check_sample, check_schema
+from .errors import ReaderError
+
 __all__ = ["ReaderError", "ShardReader", "ShardWriter", "ShardFormat", "Sample", "Schema"]
-
-Sample = dict[str, Any]
-Schema = dict[str, str]
-
-
-class ReaderError(ValueError):
-    """A local shard file cannot be parsed: wrong format, truncated, corrupt or hostile.
-
-    ``path`` is the file concerned and ``hint`` says what to do; both appear in the message,
-    e.g. ``"/x/a.tar: not a tar shard (bad header at offset 0). Check the dataset's 'format'
-    in manifest.json"``.
-    """
-
-    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None,
-                 hint: str | None = None) -> None:
-        self.path = None if path is None else os.fspath(path)
-        self.url = self.path  # same attribute name as datacache.errors.DatacacheError
-        self.hint = hint
-        text = message
-        if self.path is not None and not message.startswith(self.path):
-            text = f"{self.path}: {message}"
-        if hint:
-            text = f"{text.rstrip('.')}. {hint}"
-        super().__init__(text)
-
-    def __reduce__(self) -> tuple[Any, ...]:  # keep path/hint across pickling (DataLoader)
-        return (_rebuild_error, (type(self), str(self), self.path, self.hint))
-
-
-def _rebuild_error(cls: type[ReaderError], text: str, path: str | None,
-                   hint: str | None) -> ReaderError:
-    err = cls.__new__(cls)
-    ValueError.__init__(err, text)
-    err.path = err.url = path
-    err.hint = hint
-    return err
 
 
 class ShardReader(abc.ABC):
@@ -98,7 +65,7 @@ class ShardReader(abc.ABC):
     def _ensure_open(self) -> None:
         """Open handles on first use, and reopen them in a forked child."""
         if self._closed:
-            raise ValueError(f"{self.path}: reader is closed")
+            raise ReaderError("reader is closed", path=self.path, hint="Open the shard again")
         pid = os.getpid()
         if self._pid == pid:
             return
@@ -189,8 +156,6 @@ class ShardWriter(abc.ABC):
     """
 
     def __init__(self, path: str | os.PathLike[str], schema: Schema) -> None:
-        from .codec import check_schema  # local import: codec imports ReaderError from here
-
         self.path: str = os.fspath(path)
         self.schema: Schema = check_schema(schema)
         self.tmp_path: str = self.path + ".partial"
@@ -213,8 +178,6 @@ class ShardWriter(abc.ABC):
     def write(self, sample: Sample) -> None:
         """Append one sample; raises :class:`ValueError`/:class:`TypeError` if it does not
         match the schema."""
-        from .codec import check_sample
-
         if self._closed:
             raise ValueError(f"{self.path}: writer is closed")
         check_sample(sample, self.schema)

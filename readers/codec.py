@@ -24,13 +24,15 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .base import ReaderError, Sample, Schema
+from .errors import ReaderError
 
 __all__ = [
-    "KINDS", "check_schema", "infer_schema", "check_sample", "encode_field", "decode_field",
+    "Sample", "Schema", "KINDS", "check_schema", "infer_schema", "check_sample", "encode_field", "decode_field",
     "encode_sample", "decode_sample", "decode_uniform", "schema_to_json", "schema_from_json",
 ]
 
+Sample = dict[str, Any]
+Schema = dict[str, str]
 KINDS = ("bytes", "str", "int", "float", "ndarray")
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")

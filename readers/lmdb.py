@@ -22,10 +22,11 @@ from typing import Any, Iterator
 
 import lmdb  # absolute import: the py-lmdb library, not this module
 
-from .base import ReaderError, Sample, Schema, ShardFormat, _remove
+from .base import ShardFormat, _remove
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
-from .codec import decode_sample, encode_sample, schema_from_json
+from .codec import Sample, Schema, decode_sample, encode_sample, schema_from_json
+from .errors import ReaderError
 
 __all__ = ["LmdbShardReader", "LmdbShardWriter", "FORMAT", "META_KEY"]
 
@@ -113,12 +114,15 @@ class LmdbShardReader(_BaseReader):
             detail = str(exc).replace(f"{self.path}: ", "")
             raise ReaderError(f"not an lmdb shard ({detail})", path=self.path,
                               hint=_HINT_FORMAT) from None
-        needed = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
-        if size < needed:
-            raise self._corrupt(f"file has {size} bytes but its pages need {needed}")
-        self._txn = self._env.begin(buffers=True)  # values are copied once, into writable memory
-        if self._n < 0:
-            self._load_layout()
+        try:
+            needed = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
+            if size < needed:
+                raise self._corrupt(f"file has {size} bytes but its pages need {needed}")
+            self._txn = self._env.begin(buffers=True)  # values are copied once, into writable memory
+            if self._n < 0:
+                self._load_layout()
+        except lmdb.Error as exc:
+            raise self._corrupt(f"cannot read the environment ({exc})") from None
 
     def _close_handles(self) -> None:
         if self._txn is not None:
@@ -167,16 +171,24 @@ class LmdbShardReader(_BaseReader):
     def _get(self, index: int) -> Sample:
         assert self._txn is not None
         key = self._key(index)
-        return self._sample(index, key, self._txn.get(key))
+        try:
+            value = self._txn.get(key)
+        except lmdb.Error as exc:
+            raise self._corrupt(f"sample {index} cannot be read ({exc})") from None
+        return self._sample(index, key, value)
 
     def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:
         assert self._txn is not None
-        cursor = self._txn.cursor()
-        found = cursor.set_key(self._key(start))
-        for i in range(start, stop):
-            key, value = cursor.item() if found else (b"", None)
-            yield self._sample(i, key, value)
-            found = cursor.next()
+        i = start
+        try:
+            cursor = self._txn.cursor()
+            found = cursor.set_key(self._key(start))
+            for i in range(start, stop):
+                key, value = cursor.item() if found else (b"", None)
+                yield self._sample(i, key, value)
+                found = cursor.next()
+        except lmdb.Error as exc:
+            raise self._corrupt(f"sample {i} cannot be read ({exc})") from None
 
 
 def _check_import() -> Any:

@@ -22,10 +22,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .base import ReaderError, Sample, Schema, ShardFormat
+from .base import ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
-from .codec import decode_field, encode_field, schema_from_json, schema_to_json
+from .codec import Sample, Schema, decode_field, encode_field, schema_from_json, schema_to_json
+from .errors import ReaderError
 
 __all__ = ["ParquetShardReader", "ParquetShardWriter", "FORMAT", "SCHEMA_KEY", "arrow_kind"]
 
@@ -175,7 +176,7 @@ class ParquetShardReader(_BaseReader):
         try:
             self._source = pa.memory_map(self.path, "r")
             self._pf = pq.ParquetFile(self._source)
-        except (pa.ArrowException, OSError) as exc:
+        except (pa.ArrowException, OSError, ValueError) as exc:  # also a column name not UTF-8
             raise self._error("truncated or corrupt parquet shard", exc) from None
         if self._ends is None:
             self._load_metadata(self._pf)
@@ -227,9 +228,9 @@ class ParquetShardReader(_BaseReader):
         names = list(self.schema)
         try:
             table = self._pf.read_row_group(group, columns=names, use_threads=False)
-        except (pa.ArrowException, OSError) as exc:
+            columns = {name: _values(table.column(name), name in self._ndarrays) for name in names}
+        except (pa.ArrowException, OSError, ValueError) as exc:  # also invalid UTF-8 in a string
             raise self._error(f"row group {group} cannot be read", exc) from None
-        columns = {name: _values(table.column(name), name in self._ndarrays) for name in names}
         self._cached = (group, columns)
         return columns
 

@@ -25,10 +25,11 @@ import re
 import tarfile
 from typing import Any, Iterator
 
-from .base import ReaderError, Sample, Schema, ShardFormat
+from .base import ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
-from .codec import decode_field, encode_field, schema_from_json, schema_to_json
+from .codec import Sample, Schema, decode_field, encode_field, schema_from_json, schema_to_json
+from .errors import ReaderError
 
 __all__ = ["TarShardReader", "TarShardWriter", "FORMAT", "SCHEMA_MEMBER"]
 

@@ -36,10 +36,12 @@ import zstandard
 
 from ._bufpool import shared_pool
 from ._cowmap import CowMap
-from .base import ReaderError, Sample, Schema, ShardFormat
+from .base import ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
-from .codec import decode_sample, decode_uniform, encode_sample, schema_from_json, schema_to_json
+from .codec import (Sample, Schema, decode_sample, decode_uniform, encode_sample, schema_from_json,
+                    schema_to_json)
+from .errors import ReaderError
 
 __all__ = ["ZstdShardReader", "ZstdShardWriter", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
            "DEFAULT_MAX_BLOCK_BYTES", "RAW_BLOCK"]
