@@ -119,6 +119,11 @@ class ShardReader(abc.ABC):
     def __iter__(self) -> Iterator[Sample]:
         return self.iter_range(0, len(self))
 
+    def field_kinds(self) -> Schema:
+        """The schema a manifest records for this file: :attr:`schema`, or for a file without
+        one, the kinds its fields come back as (see the format's reader)."""
+        return dict(self.schema or {})
+
     def close(self) -> None:
         """Release the file handles; idempotent. The reader cannot be used afterwards."""
         if self._closed:
@@ -232,14 +237,28 @@ def _remove(path: str) -> None:
         pass
 
 
+ReadRange = Callable[[int, int], bytes]  # (start, end) -> those bytes of a file, e.g. a range read
+Probe = Callable[[ReadRange, int, str], "tuple[int, Schema] | None"]
+
+
 @dataclass(frozen=True)
 class ShardFormat:
-    """A registered shard format: ``open(path, **kw)`` and ``ShardWriter(path, schema, **kw)``."""
+    """A registered shard format: ``open(path, **kw)`` and ``ShardWriter(path, schema, **kw)``.
+
+    ``probe(read_range, size, name)``, where a format has one, checks a file that is not local
+    (a remote object) with a few range reads: it returns ``(samples, schema)`` when they can be
+    told without reading the whole file (Parquet's footer), else None, and raises
+    :class:`ReaderError` naming ``name`` when the file is not of this format. ``union_schema``:
+    samples may lack some fields (WebDataset tars), so a dataset's schema is the union of its
+    files' schemas rather than one schema they all share.
+    """
 
     name: str
     extension: str
     reader: Callable[..., ShardReader]
     ShardWriter: Callable[..., ShardWriter]
+    probe: Probe | None = None
+    union_schema: bool = False
 
     def open(self, path: str | os.PathLike[str], **kw: Any) -> ShardReader:
         """Open ``path`` as a shard of this format (raises :class:`ReaderError`)."""

@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["ReaderError", "UnknownFormatError"]
+__all__ = ["ReaderError", "UnknownFormatError", "HINT_FORMAT", "HINT_CORRUPT"]
+
+HINT_FORMAT = "Check the dataset's 'format' in manifest.json"  # a file of another format
+HINT_CORRUPT = "The file is truncated or corrupt; delete it so the cache fetches it again"
 
 
 class ReaderError(ValueError):
@@ -22,6 +25,7 @@ class ReaderError(ValueError):
 
     def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None,
                  hint: str | None = None) -> None:
+        self.message = message  # without path and hint, for callers that name the file their way
         self.path = None if path is None else os.fspath(path)
         self.url = self.path  # same attribute name as datacache.errors.DatacacheError
         self.hint = hint
@@ -33,13 +37,14 @@ class ReaderError(ValueError):
         super().__init__(text)
 
     def __reduce__(self) -> tuple[Any, ...]:  # keep path/hint across pickling (DataLoader)
-        return (_rebuild_error, (type(self), str(self), self.path, self.hint))
+        return (_rebuild_error, (type(self), str(self), self.path, self.hint, self.message))
 
 
 def _rebuild_error(cls: type[ReaderError], text: str, path: str | None,
-                   hint: str | None) -> ReaderError:
+                   hint: str | None, message: str | None = None) -> ReaderError:
     err = cls.__new__(cls)
     ValueError.__init__(err, text)
+    err.message = text if message is None else message
     err.path = err.url = path
     err.hint = hint
     return err

@@ -26,15 +26,13 @@ from .base import ShardFormat, _remove
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
 from .codec import Sample, Schema, decode_sample, encode_sample, schema_from_json
-from .errors import ReaderError
+from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
 __all__ = ["LmdbShardReader", "LmdbShardWriter", "FORMAT", "META_KEY"]
 
 META_KEY = b"__datacache_schema__"
 _KEY = struct.Struct(">Q")
 _FOREIGN_SCHEMA: Schema = {"key": "bytes", "value": "bytes"}
-_HINT_FORMAT = "Check the dataset's 'format' in manifest.json"
-_HINT_CORRUPT = "The file is truncated or corrupt; delete it so the cache fetches it again"
 
 
 class LmdbShardWriter(_BaseWriter):
@@ -100,20 +98,20 @@ class LmdbShardReader(_BaseReader):
         self._ensure_open()
 
     def _corrupt(self, what: str) -> ReaderError:
-        return ReaderError(f"corrupt lmdb shard: {what}", path=self.path, hint=_HINT_CORRUPT)
+        return ReaderError(f"corrupt lmdb shard: {what}", path=self.path, hint=HINT_CORRUPT)
 
     def _open_handles(self) -> None:
         size = os.stat(self.path).st_size
         if os.path.isdir(self.path) or size == 0:
             raise ReaderError("not an lmdb shard (expected a non-empty LMDB data file)",
-                              path=self.path, hint=_HINT_FORMAT)
+                              path=self.path, hint=HINT_FORMAT)
         try:
             self._env = lmdb.open(self.path, subdir=False, readonly=True, lock=False,
                                   readahead=False, max_readers=self.max_readers, create=False)
         except lmdb.Error as exc:
             detail = str(exc).replace(f"{self.path}: ", "")
             raise ReaderError(f"not an lmdb shard ({detail})", path=self.path,
-                              hint=_HINT_FORMAT) from None
+                              hint=HINT_FORMAT) from None
         try:
             needed = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
             if size < needed:

@@ -41,7 +41,7 @@ from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
 from .codec import (Sample, Schema, decode_sample, decode_uniform, encode_sample, schema_from_json,
                     schema_to_json)
-from .errors import ReaderError
+from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
 __all__ = ["ZstdShardReader", "ZstdShardWriter", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
            "DEFAULT_MAX_BLOCK_BYTES", "RAW_BLOCK"]
@@ -53,8 +53,6 @@ _FOOTER = struct.Struct("<QQQI4s")
 _HEAD = struct.Struct("<IQQQ")
 _BLOCK_ROW, _SAMPLE_ROW = 32, 16
 RAW_BLOCK = 1 << 63  # flag in a block's file_offset: stored uncompressed
-_HINT_FORMAT = "Check the dataset's 'format' in manifest.json"
-_HINT_CORRUPT = "The file is truncated or corrupt; delete it so the cache fetches it again"
 
 
 def _encode_index(schema: Schema, dict_offset: int, dict_length: int,
@@ -215,7 +213,7 @@ class ZstdShardReader(_BaseReader):
         self.__dict__.update(state)
 
     def _corrupt(self, what: str) -> ReaderError:
-        return ReaderError(f"corrupt dcz shard: {what}", path=self.path, hint=_HINT_CORRUPT)
+        return ReaderError(f"corrupt dcz shard: {what}", path=self.path, hint=HINT_CORRUPT)
 
     def _open_handles(self) -> None:
         self._file = open(self.path, "rb")
@@ -225,7 +223,7 @@ class ZstdShardReader(_BaseReader):
         head = os.pread(self._file.fileno(), len(MAGIC), 0)
         if head != MAGIC:
             raise ReaderError(f"not a dcz shard (bad magic {head[:4]!r} at offset 0, expected "
-                              f"{MAGIC!r})", path=self.path, hint=_HINT_FORMAT)
+                              f"{MAGIC!r})", path=self.path, hint=HINT_FORMAT)
         if size < len(MAGIC) + _FOOTER.size:
             raise self._corrupt(f"only {size} bytes, too small for a footer")
         self._cow = CowMap(self._file.fileno(), size)  # copy-on-write: samples are writable
