@@ -4,30 +4,21 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import closing
-from typing import Any
-
-import numpy as np
 
 import readers
-from readers.tar import member_key
 
 from . import __version__
 from ._cli_common import Ctx, UsageError, _download, _mbps, _Progress, _run_pool, _watch
+from ._cli_sources import open_source
 from .config import format_size
-from .errors import DatacacheError, IntegrityError, ManifestError, NotFoundError
+from .errors import DatacacheError, ManifestError, NotFoundError
 from .errors import ReaderError as DcReaderError
-from .manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ShardInfo,
-    load_manifest,
-    validate_shard_name,
-)
+from .manifest import MANIFEST_NAME, Manifest, ShardInfo, validate_shard_name
 from .storage import Store, open_store
 from .writer import DatasetWriter
 
@@ -73,6 +64,16 @@ def _merge_schemas(fmt: readers.ShardFormat, schemas: list[tuple[str, dict[str, 
     return merged
 
 
+_KNOWN_SPLITS = ("train", "test", "validation", "valid", "val", "dev")
+
+
+def _in_split(name: str, split: str) -> bool:
+    """Whether object ``name`` belongs to ``split`` in the Hugging Face layouts: a folder named so
+    (``default/train/0000.parquet``) or a file ``train-00000-of-00003.parquet`` / ``train.parquet``."""
+    *dirs, base = name.split("/")
+    return split in dirs or base.startswith(f"{split}-") or base.split(".", 1)[0] == split
+
+
 def cmd_index(ctx: Ctx) -> int:
     a = ctx.args
     fmt = readers.get_format(a.format)
@@ -80,10 +81,16 @@ def cmd_index(ctx: Ctx) -> int:
     with closing(open_store(a.url, ctx.storage_options)) as store:
         if not a.force and store.exists(MANIFEST_NAME):
             raise UsageError(f"{store.url_of(MANIFEST_NAME)} already exists; pass --force to replace it")
-        objects = [(n, s) for n, s in store.list() if n != MANIFEST_NAME and fnmatch.fnmatchcase(n, pattern)]
+        objects = [(n, s) for n, s in store.list() if n != MANIFEST_NAME and fnmatch.fnmatchcase(n, pattern)
+                   and (a.split is None or _in_split(n, a.split))]
         if not objects:
-            raise NotFoundError(f"no objects match {pattern!r} under this prefix", url=store.url,
-                                hint="Check the URL and --pattern")
+            where = f" in split {a.split!r}" if a.split else ""
+            raise NotFoundError(f"no objects match {pattern!r}{where} under this prefix", url=store.url,
+                                hint="Check the URL, --pattern and --split")
+        splits = sorted({s for n, _ in objects for s in _KNOWN_SPLITS if _in_split(n, s)})
+        if len(splits) > 1 and a.split is None and a.pattern is None:
+            raise UsageError(f"objects of several splits match {pattern!r} under {store.url} ({', '.join(splits)}); "
+                             f"pass --split {'train' if 'train' in splits else splits[0]} (or --pattern)")
         for n, _ in objects:
             validate_shard_name(n, store.url_of(n))
         total = sum(s for _, s in objects)
@@ -125,7 +132,8 @@ def cmd_index(ctx: Ctx) -> int:
         schema = _merge_schemas(fmt, [(n, counts[n][1]) for n, _ in objects], store)
         shards = tuple(ShardInfo(n, s, counts[n][0], hashes[n]) for n, s in objects)
         manifest = Manifest(format=fmt.name, schema=schema, shards=shards,
-                            extra={"indexed_by": f"datacache {__version__}", "pattern": pattern})
+                            extra={"indexed_by": f"datacache {__version__}", "pattern": pattern,
+                                   **({"split": a.split} if a.split else {})})
         store.write_bytes(MANIFEST_NAME, manifest.to_json().encode())
         url = store.url_of(MANIFEST_NAME)
     seconds = time.monotonic() - t0
@@ -139,115 +147,13 @@ def cmd_index(ctx: Ctx) -> int:
 
 
 # -------------------------------------------------------------------------------------- write
-def _normalize(sample: dict[str, Any], where: str, src: str) -> dict[str, Any]:
-    """JSON/Arrow values -> datacache field values: bool -> int, list/dict -> JSON text."""
-    out: dict[str, Any] = {}
-    for k, v in sample.items():
-        if v is None:
-            raise DatacacheError(f"{where}: field {k!r} is null; datacache fields cannot be null", url=src,
-                                 hint="Fill or drop null values first")
-        if isinstance(v, bool):
-            v = int(v)
-        elif isinstance(v, (list, dict)):
-            v = json.dumps(v, default=str)
-        elif not isinstance(v, (bytes, str, int, float, np.ndarray, np.integer, np.floating)):
-            v = str(v)  # dates, decimals...
-        out[str(k)] = v
-    return out
-
-
-def _src_type(src: str, explicit: str) -> str:
-    if explicit != "auto":
-        return explicit
-    if "://" in src:
-        return "dataset"
-    if os.path.isdir(src):
-        return "dataset" if os.path.isfile(os.path.join(src, MANIFEST_NAME)) else "folder"
-    if not os.path.exists(src):
-        raise DatacacheError("no such file or directory", url=src)
-    low = src.lower()
-    if low.endswith((".parquet", ".pq")):
-        return "parquet"
-    if low.endswith((".jsonl", ".ndjson", ".json")):
-        return "jsonl"
-    raise UsageError(f"cannot tell what {src} is (not a folder, .parquet or .jsonl); use --src-type")
-
-
-def _folder_samples(root: str, group: bool) -> Iterator[dict[str, Any]]:
-    files = []
-    for d, dirs, names in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
-        files += [os.path.relpath(os.path.join(d, n), root) for n in names if not n.startswith(".")]
-    if not group:
-        for rel in sorted(files):
-            with open(os.path.join(root, rel), "rb") as f:
-                yield {"__key__": rel, "data": f.read()}
-        return
-    items = []
-    for rel in files:
-        split = member_key(rel)
-        if split is not None:  # no extension: skipped, as WebDataset does
-            items.append((*split, rel))
-    sample: dict[str, Any] = {}
-    for key, ext, rel in sorted(items):
-        if sample and sample["__key__"] != key:
-            yield sample
-            sample = {}
-        sample.setdefault("__key__", key)
-        with open(os.path.join(root, rel), "rb") as f:
-            sample[ext] = f.read()
-    if sample:
-        yield sample
-
-
-def _jsonl_samples(path: str) -> Iterator[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise DatacacheError(f"line {lineno} is not valid JSON ({exc})", url=path) from None
-            if not isinstance(obj, dict):
-                raise DatacacheError(f"line {lineno} is not a JSON object", url=path)
-            yield _normalize(obj, f"line {lineno}", path)
-
-
-def _parquet_samples(path: str) -> Iterator[dict[str, Any]]:
-    with readers.open_shard("parquet", path) as r:
-        for i, row in enumerate(r):
-            yield _normalize(row, f"row {i}", path)
-
-
-def _dataset_samples(url: str, storage_options: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    with closing(open_store(url, storage_options)) as store:
-        m = load_manifest(store)
-        fmt = readers.get_format(m.format)
-        with tempfile.TemporaryDirectory(prefix="datacache-write-src-") as tmpdir:
-            for info in m.shards:
-                path, h = _download(store, info.name, info.bytes, tmpdir, lambda n: None)
-                try:
-                    if h != info.hash:
-                        raise IntegrityError(f"content hash {h} != manifest {info.hash}", url=store.url_of(info.name),
-                                             hint="Run `datacache verify` on the source")
-                    with fmt.open(path) as r:
-                        yield from r
-                finally:
-                    os.unlink(path)
-
-
 def cmd_write(ctx: Ctx) -> int:
     a = ctx.args
-    kind = _src_type(a.src, a.src_type)
-    if kind == "folder":
-        samples = _folder_samples(a.src, a.group)
-    elif kind == "jsonl":
-        samples = _jsonl_samples(a.src)
-    elif kind == "parquet":
-        samples = _parquet_samples(a.src)
-    else:
-        samples = _dataset_samples(a.src, ctx.storage_options)
+    source = open_source(a.src, a.src_type, group=a.group, shuffle=a.shuffle, seed=a.seed,
+                         storage_options=ctx.storage_options)
+    kind, samples = source.kind, source.samples
+    for warning in source.warnings:
+        print(f"datacache: warning: {warning}", file=sys.stderr)
     t0 = time.monotonic()
     with closing(open_store(a.dest, ctx.storage_options)) as dest:
         if not a.force and dest.exists(MANIFEST_NAME):
@@ -272,12 +178,13 @@ def cmd_write(ctx: Ctx) -> int:
         assert m is not None
         url = dest.url
     seconds = time.monotonic() - t0
+    classes = [] if source.classes is None else [f"  classes     {json.dumps(source.classes)} (label = index)"]
     ctx.emit({"src": a.src, "src_type": kind, "url": url, "dataset_id": m.dataset_id, "format": m.format,
               "schema": m.schema, "num_shards": len(m.shards), "num_samples": m.num_samples,
-              "total_bytes": m.total_bytes, "seconds": round(seconds, 3)},
+              "total_bytes": m.total_bytes, "seconds": round(seconds, 3), "classes": source.classes},
              [f"wrote {m.num_samples:,} samples from {a.src} ({kind}) to {url}: {len(m.shards)} {m.format} shards, "
               f"{format_size(m.total_bytes)} in {seconds:.1f} s",
-              f"  dataset id  {m.dataset_id}", f"  schema      {json.dumps(m.schema)}"])
+              f"  dataset id  {m.dataset_id}", f"  schema      {json.dumps(m.schema)}", *classes])
     return 0
 
 
