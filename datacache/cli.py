@@ -175,9 +175,8 @@ examples:
 Converts SRC into a datacache dataset at DEST. SRC may be:
   a folder     one sample per file: {"__key__": relative path, "data": bytes}; with --group, files
                sharing a basename up to the first '.' form one sample, one field per extension
-               (WebDataset-style: a/0001.jpg + a/0001.cls -> {"__key__": "a/0001", "jpg", "cls"}).
-               Files in class folders (SRC/<class>/...) also get "label" (index among the sorted
-               class names) and "class"; --shuffle mixes the classes (else they come in order)
+               (WebDataset-style: a/0001.jpg + a/0001.cls -> {"__key__": "a/0001", "jpg", "cls"}); in
+               class folders (SRC/<class>/...) also "label" (index of the sorted classes) and "class"
   a .parquet   one sample per row (local or a URL); Hugging Face images become their bytes
   a .jsonl     one sample per line (a JSON object); lists and objects become JSON strings
   a dataset    a URL or folder with a manifest.json (samples are copied in shard order)
@@ -319,8 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=("parquet", "tar", "lmdb"), help="format of the files")
     p.add_argument("--pattern", metavar="GLOB", default=None,
                    help="which objects (relative names; '*' crosses '/'); default '*.parquet' / '*.tar' / '*.lmdb'")
-    p.add_argument("--split", metavar="NAME", default=None,
-                   help="only this split's files (Hugging Face layout: NAME-*.parquet or NAME/ folders)")
+    p.add_argument("--split", metavar="NAME", help="only this split's files (Hugging Face: NAME-*.parquet, NAME/)")
     p.add_argument("--threads", type=_pos_int, default=8, help="objects read at once (default 8)")
     p.add_argument("--force", action="store_true", help="replace an existing manifest.json")
 

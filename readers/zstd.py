@@ -15,10 +15,12 @@ Each block holds the :func:`readers.codec.encode_sample` bytes of consecutive sa
 ``block_bytes`` raw; a larger sample gets a block of its own), so ``get(i)`` decompresses one
 block. A block that zstd shrinks by less than 1/32 (already-compressed images, audio, random
 bytes) is stored raw, flagged by the top bit of its ``file_offset`` (``RAW_BLOCK``, with compressed_len ==
-raw_len): its samples are read in place, zero-copy views of the mapped file. Compressed blocks are
-decompressed into pooled, reused buffers (``readers._bufpool``). Every declared size is validated against the file size and ``max_block_bytes`` before
-use, and a block is decompressed into a buffer of exactly its validated raw length, so a crafted
-file (or a zstd bomb) raises :class:`ReaderError` instead of allocating unbounded memory.
+raw_len): its samples are read in place, zero-copy views of the file mapped copy-on-write
+(``readers._cowmap``: writable, and a write never reaches the file). Compressed blocks are
+decompressed into pooled, reused buffers (``readers._bufpool``). Every declared size is validated
+against the file size and ``max_block_bytes`` before use, and a block is decompressed into a
+buffer of exactly its validated raw length, so a crafted file (or a zstd bomb) raises
+:class:`ReaderError` instead of allocating unbounded memory.
 
 Thread safety: one reader or writer per thread.
 """
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 import zlib
 from array import array
 from typing import Any, Iterator
@@ -36,39 +37,24 @@ import zstandard
 
 from ._bufpool import shared_pool
 from ._cowmap import CowMap
+from ._dczindex import BLOCK_ROW as _BLOCK_ROW
+from ._dczindex import FOOTER as _FOOTER
+from ._dczindex import HEAD as _HEAD
+from ._dczindex import MAGIC, RAW_BLOCK, block_problem, sample_problem
+from ._dczindex import SAMPLE_ROW as _SAMPLE_ROW
+from ._dczindex import encode_footer as _encode_footer
+from ._dczindex import encode_index as _encode_index
 from .base import ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
-from .codec import (Sample, Schema, decode_sample, decode_uniform, encode_sample, schema_from_json,
-                    schema_to_json)
+from .codec import Sample, Schema, decode_sample, decode_uniform, encode_sample, schema_from_json
 from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
 __all__ = ["ZstdShardReader", "ZstdShardWriter", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
            "DEFAULT_MAX_BLOCK_BYTES", "RAW_BLOCK"]
 
-MAGIC = b"DCZ1"
 DEFAULT_BLOCK_BYTES = 1 << 20
 DEFAULT_MAX_BLOCK_BYTES = 1 << 30
-_FOOTER = struct.Struct("<QQQI4s")
-_HEAD = struct.Struct("<IQQQ")
-_BLOCK_ROW, _SAMPLE_ROW = 32, 16
-RAW_BLOCK = 1 << 63  # flag in a block's file_offset: stored uncompressed
-
-
-def _encode_index(schema: Schema, dict_offset: int, dict_length: int,
-                  blocks: array, samples: array) -> bytes:
-    """Serialize the index (``blocks``/``samples`` are flat u64 arrays)."""
-    schema_json = schema_to_json(schema).encode("utf-8")
-    head = _HEAD.pack(len(schema_json), dict_offset, dict_length, len(blocks) // 4)
-    return b"".join((head, schema_json, _u64_bytes(blocks), _u64_bytes(samples)))
-
-
-def _u64_bytes(values: array) -> bytes:
-    return np.asarray(values, dtype="<u8").tobytes()
-
-
-def _encode_footer(index_offset: int, index: bytes, sample_count: int) -> bytes:
-    return _FOOTER.pack(index_offset, len(index), sample_count, zlib.crc32(index), MAGIC)
 
 
 class ZstdShardWriter(_BaseWriter):
@@ -270,8 +256,9 @@ class ZstdShardReader(_BaseReader):
         self._check_dict(dict_off, dict_len, io)
         blocks = np.frombuffer(index, "<u8", nblocks * 4, pos).reshape(nblocks, 4)
         samples = np.frombuffer(index, "<u8", n * 2, pos + nblocks * _BLOCK_ROW).reshape(n, 2)
-        self._check_blocks(blocks, n, io)
-        self._check_samples(blocks, samples, n)
+        problem = block_problem(blocks, n, io, self.max_block_bytes) or sample_problem(blocks, samples, n)
+        if problem:
+            raise self._corrupt(problem)
         self._blocks, self._samples, self._n = blocks, samples, n
         self._first = blocks[:, 3]
 
@@ -282,38 +269,6 @@ class ZstdShardReader(_BaseReader):
             raise self._corrupt(f"dictionary span ({offset}, {length}) is invalid")
         assert self._mmap is not None
         self._dict_bytes = self._mmap[offset:offset + length]
-
-    def _check_blocks(self, blocks: np.ndarray, n: int, index_offset: int) -> None:
-        if (len(blocks) == 0) != (n == 0):
-            raise self._corrupt(f"{len(blocks)} blocks for {n} samples")
-        if not len(blocks):
-            return
-        off, clen, rlen, first = blocks.T
-        raw = (off & np.uint64(RAW_BLOCK)) != 0
-        off = off & np.uint64(RAW_BLOCK - 1)
-        if (raw & (clen != rlen)).any():
-            raise self._corrupt("a raw block's stored and raw sizes differ")
-        with np.errstate(over="ignore"):
-            spans_ok = (off >= len(MAGIC)) & (clen >= 1) & (clen <= index_offset) \
-                & (off <= index_offset - clen)
-        if not spans_ok.all():
-            raise self._corrupt("a block lies outside the data region")
-        if ((rlen < 1) | (rlen > self.max_block_bytes)).any():
-            raise self._corrupt(f"a block declares a raw size above max_block_bytes="
-                                f"{self.max_block_bytes} (or zero)")
-        if first[0] != 0 or (first >= n).any() or (np.diff(first.astype(np.int64)) <= 0).any():
-            raise self._corrupt("block sample ranges are not increasing")
-
-    def _check_samples(self, blocks: np.ndarray, samples: np.ndarray, n: int) -> None:
-        if n == 0:
-            return
-        counts = np.diff(np.append(blocks[:, 3], np.uint64(n)).astype(np.int64))
-        raw = np.repeat(blocks[:, 2], counts)
-        off, length = samples[:, 0], samples[:, 1]
-        with np.errstate(over="ignore"):
-            ok = (off <= raw) & (length <= raw - off)
-        if not ok.all():
-            raise self._corrupt(f"sample {int(np.argmin(ok))} lies outside its block")
 
     def __len__(self) -> int:
         return self._n

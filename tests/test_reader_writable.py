@@ -139,3 +139,34 @@ def test_dataloader_workers_print_no_not_writable_warning(case: str, tmp_path: P
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == [str(N)]
     assert "not writable" not in p.stderr, p.stderr[-2000:]
+
+
+_STREAMING = textwrap.dedent("""
+    import json, sys
+    from torch.utils.data import DataLoader
+    from datacache import CacheConfig, StreamingDataset
+    url, opts, base = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    cache = CacheConfig(ram_bytes="4MB", ssd_bytes="8MB", ram_dir=base + "/ram", ssd_dir=base + "/ssd")
+    ds = StreamingDataset(url, storage_options=opts, cache=cache, shuffle=False)
+    print(sorted(int(y) for b in DataLoader(ds, batch_size=4, num_workers=2) for y in b["y"]) == list(range(40)))
+    ds.close()
+""")
+
+
+@pytest.mark.parametrize("fmt", ["zstd", "parquet"])
+def test_streaming_dataset_workers_print_no_not_writable_warning(fmt: str, s3_store_url: str,
+                                                                s3_storage_options: dict[str, Any],
+                                                                tmp_path: Path) -> None:
+    """Out of pytest's process: its warning capture would hide what a worker prints."""
+    import json
+
+    from datacache import write_dataset
+
+    samples = [{"x": _pixels(i, compressible=False), "y": i} for i in range(40)]
+    write_dataset(samples, s3_store_url, format=fmt, shard_bytes=8000, storage_options=s3_storage_options,
+                  progress=False)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-c", _STREAMING, s3_store_url, json.dumps(s3_storage_options),
+                        str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.split() == ["True"], p.stderr[-2000:]
+    assert "not writable" not in p.stderr, p.stderr[-2000:]
