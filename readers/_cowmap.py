@@ -69,8 +69,9 @@ class CowMap:
         """A writable view of the file's bytes ``[offset, offset + length)``, as in the file."""
         p0, p1 = offset // _PAGE, -(-(offset + length) // _PAGE)
         self._reclaim()
-        if self._maybe[p0:p1].any() and self._written(p0, p1):  # a live earlier view wrote here
-            return self._fresh(offset, length, p0)
+        maybe = np.flatnonzero(self._maybe[p0:p1])  # pages an earlier, live view holds (often one)
+        if len(maybe) and self._written(p0 + int(maybe[0]), p0 + int(maybe[-1]) + 1):
+            return self._fresh(offset, length, p0)  # that view wrote here
         self._maybe[p0:p1] = True
         exporter = np.frombuffer(self.map, np.uint8, length, offset)
         self._out.append((p0, p1, exporter))
@@ -87,13 +88,14 @@ class CowMap:
                 dead.append((p0, p1))
         self._out = live
         for p0, p1 in dead:
-            held = np.zeros(p1 - p0, dtype=bool)  # pages a live view shares (block boundaries)
+            lo, hi = p0, p1  # its pages, less those a live view shares (block boundaries)
             for a, b, _ in live:
-                held[max(a, p0) - p0:max(min(b, p1) - p0, 0)] = True
-            free = np.flatnonzero(~held)
-            if not len(free) or held[free[0]:free[-1] + 1].any():
+                if a <= lo < b:
+                    lo = b
+                if a < hi <= b:
+                    hi = a
+            if lo >= hi or any(lo < a and b < hi for a, b, _ in live):
                 continue
-            lo, hi = p0 + int(free[0]), p0 + int(free[-1]) + 1
             if self._written(lo, hi):
                 self.map.madvise(mmap.MADV_DONTNEED, lo * _PAGE, min(hi * _PAGE, self._size) - lo * _PAGE)
             self._maybe[lo:hi] = False

@@ -8,6 +8,11 @@ guard it with a lock). Readers are fork-safe: every public read re-checks ``os.g
 reopens its file handles, mmaps or LMDB environment in a forked child (e.g. a DataLoader worker),
 so a reader opened in the parent can be used in the child. Readers also pickle (the handles are
 dropped and reopened lazily), so they work with the ``spawn`` start method too.
+
+Samples are writable, and an in-place change to one never reaches the file: arrays view writable
+memory (a copy-on-write mapping, a pooled decompression buffer, or a copy of the row/member).
+Each :meth:`ShardReader.iter_range` decodes afresh, so a change shows in no later run; only
+``get`` of the same sample again, while its block is still the reader's current one, sees it.
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ._bufpool import shared_pool
 from .base import ReadRange, ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
@@ -124,13 +125,16 @@ def _values(column: pa.ChunkedArray, encoded: bool) -> list[Any]:
 
 
 def _binary_views(chunk: pa.Array) -> list[memoryview | None]:
-    """The values of a binary array as views of one ``bytearray`` copy of its data buffer."""
+    """The values of a binary array as views of one writable copy of its data buffer (a pooled
+    buffer: see ``readers._bufpool``)."""
     _, offsets, data = chunk.buffers()
     wide = pa.types.is_large_binary(chunk.type)
     size = 8 if wide else 4
     offs = np.frombuffer(offsets, "<i8" if wide else "<i4", len(chunk) + 1, chunk.offset * size).tolist()
-    copy = memoryview(bytearray(memoryview(data)[offs[0]:offs[-1]] if data is not None else b""))
-    base = offs[0]
+    base, size = offs[0], offs[-1] - offs[0]
+    copy = shared_pool().take(size)  # warm pages, reused once no sample views them
+    if size:
+        copy[:] = memoryview(data).cast("B")[base:base + size]
     views: list[memoryview | None] = [copy[a - base:b - base] for a, b in zip(offs, offs[1:])]
     if chunk.null_count:
         for i in np.flatnonzero(chunk.is_null().to_numpy(zero_copy_only=False)).tolist():

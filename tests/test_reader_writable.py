@@ -170,3 +170,34 @@ def test_streaming_dataset_workers_print_no_not_writable_warning(fmt: str, s3_st
                         str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and p.stdout.split() == ["True"], p.stderr[-2000:]
     assert "not writable" not in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("pagemap", [True, False])
+def test_cow_map_gives_written_pages_back_once_no_view_uses_them(pagemap: bool, tmp_path: Path) -> None:
+    from readers._cowmap import CowMap
+
+    data = np.random.default_rng(0).bytes(64 * 4096 + 100)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    cow = CowMap(fd, len(data))
+    try:
+        if not pagemap:  # no readable /proc/self/pagemap: every page handed out counts as written
+            os.close(cow._pagemap)
+            cow._pagemap = None
+        a = np.frombuffer(cow.region(10, 20 * 4096), np.uint8)
+        a[:] = 7
+        assert cow._written(0, 21) or not pagemap
+        b = np.frombuffer(cow.region(10, 20 * 4096), np.uint8)  # a is alive: a fresh private map
+        assert bytes(b[:64]) == data[10:74] and (a == 7).all()
+        del a, b
+        c = np.frombuffer(cow.region(40 * 4096, 4096), np.uint8)  # reclaims the dead regions
+        assert not cow._maybe[:21].any()
+        if pagemap:
+            assert not cow._written(0, 21)  # the private copies are gone
+        assert bytes(np.frombuffer(cow.region(10, 20 * 4096), np.uint8)) == data[10:10 + 20 * 4096]
+        del c
+    finally:
+        cow.close()
+        os.close(fd)
+    assert path.read_bytes() == data
