@@ -15,13 +15,14 @@ swapped), the pages are dropped (``MADV_DONTNEED``: they refill from the file). 
 pages an earlier view still holds, and may have written, comes from a fresh private mapping
 instead. Without a readable pagemap, every page handed out is treated as written.
 
-Not thread-safe: one object per reader, and a reader is used by one thread.
+A :class:`CowMap` is not thread-safe (one per reader, and a reader is used by one thread).
 """
 from __future__ import annotations
 
 import mmap
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -37,11 +38,32 @@ _FREE_REFS = 3
 _CLEAN = bytes(b for b in range(256) if b & 0xE0 in (0x00, 0xA0))
 
 
-def _open_pagemap() -> int | None:
-    try:
-        return os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
+_PAGEMAP: tuple[int, int | None] | None = None  # (pid, fd): one per process, opened on first use
+_PAGEMAP_LOCK = threading.Lock()
+
+
+def _pagemap() -> int | None:
+    """This process's ``/proc/self/pagemap`` (None if unreadable); a forked child opens its own.
+    Thread-safe."""
+    global _PAGEMAP
+    pid = os.getpid()
+    with _PAGEMAP_LOCK:
+        if _PAGEMAP is None or _PAGEMAP[0] != pid:
+            if _PAGEMAP is not None and _PAGEMAP[1] is not None:
+                os.close(_PAGEMAP[1])  # the parent's, inherited: it describes the parent's memory
+            try:
+                _PAGEMAP = (pid, os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                _PAGEMAP = (pid, None)
+        return _PAGEMAP[1]
+
+
+def _after_fork_in_child() -> None:
+    global _PAGEMAP_LOCK
+    _PAGEMAP_LOCK = threading.Lock()  # another thread of the parent may have held it
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class CowMap:
@@ -61,7 +83,7 @@ class CowMap:
         probe = np.frombuffer(self.map, np.uint8, 1)
         self._addr = int(probe.ctypes.data)
         del probe
-        self._pagemap = _open_pagemap()
+        self.use_pagemap = True  # False: treat every page handed out as written (tests)
         self._maybe = np.zeros(-(-size // _PAGE), dtype=bool)  # handed out, maybe written since
         self._out: list[tuple[int, int, np.ndarray]] = []  # (first page, end page, exporter)
 
@@ -102,11 +124,12 @@ class CowMap:
 
     def _written(self, p0: int, p1: int) -> bool:
         """Whether any page in ``[p0, p1)`` is a private copy (unknown: assume so)."""
-        if self._pagemap is None:
+        fd = _pagemap() if self.use_pagemap else None
+        if fd is None:
             return True
         first = self._addr // _PAGE + p0
         try:
-            raw = os.pread(self._pagemap, 8 * (p1 - p0), 8 * first)
+            raw = os.pread(fd, 8 * (p1 - p0), 8 * first)
         except OSError:
             return True
         if len(raw) != 8 * (p1 - p0):
@@ -126,6 +149,3 @@ class CowMap:
             self.map.close()
         except BufferError:  # views still alive: unmapped when they are gone
             pass
-        if self._pagemap is not None:
-            os.close(self._pagemap)
-            self._pagemap = None

@@ -156,3 +156,15 @@ def test_index_refuses_mixed_splits_and_takes_split(s3_server: Any, make_s3_url:
     _, err = _cli(["index", url, "--format", "parquet", "--split", "nope", "--force",
                    "--storage-options", opts], capsys, rc=3)
     assert "split 'nope'" in err
+
+
+@pytest.mark.parametrize("fmt, expected", [("parquet", "not a parquet file (no PAR1 magic at the end)"),
+                                           ("tar", "not a tar file")])
+def test_index_names_an_object_of_another_format(fmt: str, expected: str, s3_server: Any, make_s3_url: Any,
+                                                 capsys: Any) -> None:
+    """The format's probe (readers) finds it; the CLI's message names the object and the flags."""
+    opts = json.dumps(s3_server.storage_options())
+    url = make_s3_url()
+    open_store(url, s3_server.storage_options()).write_bytes(f"part-0.{fmt}", b"junk" * 300)
+    _, err = _cli(["index", url, "--format", fmt, "--storage-options", opts], capsys, rc=3)
+    assert f"{url}part-0.{fmt}: {expected}" in err and "Check --format and --pattern" in err

@@ -183,8 +183,7 @@ def test_cow_map_gives_written_pages_back_once_no_view_uses_them(pagemap: bool, 
     cow = CowMap(fd, len(data))
     try:
         if not pagemap:  # no readable /proc/self/pagemap: every page handed out counts as written
-            os.close(cow._pagemap)
-            cow._pagemap = None
+            cow.use_pagemap = False
         a = np.frombuffer(cow.region(10, 20 * 4096), np.uint8)
         a[:] = 7
         assert cow._written(0, 21) or not pagemap
