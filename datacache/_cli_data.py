@@ -2,147 +2,57 @@
 from __future__ import annotations
 
 import fnmatch
-import io
 import json
 import os
-import re
-import tarfile
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import closing
-from typing import Any
-
-import numpy as np
 
 import readers
-from readers import codec
-from readers.parquet import arrow_kind
 
 from . import __version__
 from ._cli_common import Ctx, UsageError, _download, _mbps, _Progress, _run_pool, _watch
+from ._cli_sources import open_source
 from .config import format_size
-from .errors import DatacacheError, IntegrityError, ManifestError, NotFoundError
+from .errors import DatacacheError, ManifestError, NotFoundError
 from .errors import ReaderError as DcReaderError
-from .manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ShardInfo,
-    load_manifest,
-    validate_shard_name,
-)
+from .manifest import MANIFEST_NAME, Manifest, ShardInfo, validate_shard_name
 from .storage import Store, open_store
 from .writer import DatasetWriter
 
 __all__ = ["cmd_index", "cmd_write"]
 
-_KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$", re.DOTALL)  # as readers.tar groups members
-_FOOTER_TAIL = 64 << 10
+_HINT = "Check --format and --pattern"
 
 
-class _RangeFile(io.RawIOBase):
-    """A read-only file over one object, served by range reads; the last 64 KiB are read once up
-    front (a Parquet footer usually fits, so reading the metadata costs one request)."""
-
-    def __init__(self, store: Store, name: str, size: int) -> None:
-        super().__init__()
-        self._store, self._name, self._size, self._pos = store, name, size, 0
-        self._tail_start = max(0, size - _FOOTER_TAIL)
-        self.tail = store.read_range(name, self._tail_start, size)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = max(0, {0: 0, 1: self._pos, 2: self._size}[whence] + pos)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, n: int | None = -1) -> bytes:
-        end = self._size if n is None or n < 0 else min(self._size, self._pos + n)
-        if end <= self._pos:
-            return b""
-        if self._pos >= self._tail_start:
-            data = self.tail[self._pos - self._tail_start:end - self._tail_start]
-        else:
-            data = self._store.read_range(self._name, self._pos, end)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[:len(data)] = data
-        return len(data)
-
-
-def _parquet_footer(store: Store, name: str, size: int) -> tuple[int, dict[str, str]]:
-    """(rows, schema) of a Parquet object from its footer alone (range reads)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from readers.parquet import SCHEMA_KEY
-
-    url = store.url_of(name)
-    hint = "Check --format and --pattern"
-    if size < 12:
-        raise DcReaderError(f"not a parquet file ({size} bytes)", url=url, hint=hint)
-    f = _RangeFile(store, name, size)
-    if f.tail[-4:] != b"PAR1":
-        raise DcReaderError("not a parquet file (no PAR1 magic at the end)", url=url, hint=hint)
+def _probe(fmt: readers.ShardFormat, store: Store, name: str, size: int) -> tuple[int, dict[str, str]] | None:
+    """The format's cheap check of a remote object (range reads): (samples, schema) if it tells them."""
+    assert fmt.probe is not None
     try:
-        md = pq.read_metadata(f)
-        stored = (md.metadata or {}).get(SCHEMA_KEY)
-        schema = codec.schema_from_json(stored, url) if stored is not None else \
-            {field.name: arrow_kind(field.type) for field in md.schema.to_arrow_schema()}
-    except DatacacheError:
-        raise
-    except (pa.ArrowException, OSError, ValueError) as exc:
-        raise DcReaderError(f"cannot parse the parquet footer ({exc})", url=url, hint=hint) from None
-    return int(md.num_rows), schema
+        return fmt.probe(lambda start, end: store.read_range(name, start, end), size, name)
+    except readers.ReaderError as exc:
+        raise DcReaderError(exc.message, url=store.url_of(name), hint=_HINT) from None
 
 
-def _tar_probe(store: Store, name: str, size: int) -> None:
-    """Fail fast on an object that does not start with a tar header (one 512-byte range read)."""
-    head = store.read_range(name, 0, min(512, size))
+def _local_count(fmt: readers.ShardFormat, path: str, url: str) -> tuple[int, dict[str, str]]:
+    """(samples, schema) of a local file, exactly as the dataset's reader will see it."""
     try:
-        tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
-    except tarfile.EOFHeaderError:  # an empty archive
-        pass
-    except tarfile.HeaderError as exc:
-        raise DcReaderError(f"not a tar file ({exc})", url=store.url_of(name),
-                            hint="Check --format and --pattern") from None
+        with fmt.open(path) as r:
+            return len(r), r.field_kinds()
+    except readers.ReaderError as exc:
+        raise DcReaderError(f"cannot read as {fmt.name}: {str(exc).replace(path, 'file')}", url=url,
+                            hint=_HINT) from None
 
 
-def _local_count(fmt: str, path: str, url: str) -> tuple[int, dict[str, str]]:
-    """(samples, schema) of a local tar or lmdb file, exactly as the dataset's reader will see it."""
-    try:
-        with readers.open_shard(fmt, path) as r:
-            n, schema = len(r), dict(r.schema) if r.schema else None
-        if schema is None:  # a plain WebDataset tar: one bytes field per member extension
-            schema = {}
-            with tarfile.open(path, "r:") as tf:
-                for m in tf:
-                    match = _KEY_RE.match(m.name) if m.isfile() else None
-                    if match:
-                        schema.setdefault(match.group(2), "bytes")
-    except (readers.ReaderError, tarfile.TarError) as exc:
-        raise DcReaderError(f"cannot read as {fmt}: {str(exc).replace(path, 'file')}", url=url,
-                            hint="Check --format and --pattern") from None
-    return n, schema
-
-
-def _merge_schemas(fmt: str, schemas: list[tuple[str, dict[str, str]]], store: Store) -> dict[str, str]:
+def _merge_schemas(fmt: readers.ShardFormat, schemas: list[tuple[str, dict[str, str]]],
+                   store: Store) -> dict[str, str]:
     if not schemas:
         return {}
     first_name, merged = schemas[0][0], dict(schemas[0][1])
     for name, schema in schemas[1:]:
-        if fmt == "tar":  # WebDataset samples may lack some fields: the union
+        if fmt.union_schema:  # e.g. WebDataset samples may lack some fields: the union
             for k, v in schema.items():
                 if merged.setdefault(k, v) != v:
                     raise ManifestError(f"field {k!r} is {v!r} here but {merged[k]!r} in {first_name}",
@@ -154,17 +64,33 @@ def _merge_schemas(fmt: str, schemas: list[tuple[str, dict[str, str]]], store: S
     return merged
 
 
+_KNOWN_SPLITS = ("train", "test", "validation", "valid", "val", "dev")
+
+
+def _in_split(name: str, split: str) -> bool:
+    """Whether object ``name`` belongs to ``split`` in the Hugging Face layouts: a folder named so
+    (``default/train/0000.parquet``) or a file ``train-00000-of-00003.parquet`` / ``train.parquet``."""
+    *dirs, base = name.split("/")
+    return split in dirs or base.startswith(f"{split}-") or base.split(".", 1)[0] == split
+
+
 def cmd_index(ctx: Ctx) -> int:
     a = ctx.args
-    fmt = a.format
-    pattern = a.pattern or f"*{readers.get_format(fmt).extension}"
+    fmt = readers.get_format(a.format)
+    pattern = a.pattern or f"*{fmt.extension}"
     with closing(open_store(a.url, ctx.storage_options)) as store:
         if not a.force and store.exists(MANIFEST_NAME):
             raise UsageError(f"{store.url_of(MANIFEST_NAME)} already exists; pass --force to replace it")
-        objects = [(n, s) for n, s in store.list() if n != MANIFEST_NAME and fnmatch.fnmatchcase(n, pattern)]
+        objects = [(n, s) for n, s in store.list() if n != MANIFEST_NAME and fnmatch.fnmatchcase(n, pattern)
+                   and (a.split is None or _in_split(n, a.split))]
         if not objects:
-            raise NotFoundError(f"no objects match {pattern!r} under this prefix", url=store.url,
-                                hint="Check the URL and --pattern")
+            where = f" in split {a.split!r}" if a.split else ""
+            raise NotFoundError(f"no objects match {pattern!r}{where} under this prefix", url=store.url,
+                                hint="Check the URL, --pattern and --split")
+        splits = sorted({s for n, _ in objects for s in _KNOWN_SPLITS if _in_split(n, s)})
+        if len(splits) > 1 and a.split is None and a.pattern is None:
+            raise UsageError(f"objects of several splits match {pattern!r} under {store.url} ({', '.join(splits)}); "
+                             f"pass --split {'train' if 'train' in splits else splits[0]} (or --pattern)")
         for n, _ in objects:
             validate_shard_name(n, store.url_of(n))
         total = sum(s for _, s in objects)
@@ -172,16 +98,14 @@ def cmd_index(ctx: Ctx) -> int:
         counts: dict[str, tuple[int, dict[str, str]]] = {}
         hashes: dict[str, str] = {}
 
-        # 1. cheap checks first: Parquet footers (row counts, schema), tar first headers.
+        # 1. cheap checks first, by the format: Parquet footers (row counts, schema), tar first headers.
         def probe(item: tuple[str, int]) -> None:
             if stop.is_set():
                 return
-            name, size = item
-            if fmt == "parquet":
-                counts[name] = _parquet_footer(store, name, size)
-            elif fmt == "tar":
-                _tar_probe(store, name, size)
-        if fmt != "lmdb":
+            found = _probe(fmt, store, *item)
+            if found is not None:
+                counts[item[0]] = found
+        if fmt.probe is not None:
             _run_pool(objects, probe, a.threads, stop, "datacache-index")
 
         # 2. hash every object (and count tar/lmdb samples in the local copy hashing makes).
@@ -194,7 +118,7 @@ def cmd_index(ctx: Ctx) -> int:
             name, size = item
             path, h = _download(store, name, size, tmpdir, on_bytes)
             try:
-                if fmt != "parquet":
+                if name not in counts:  # the probe could not tell: count in the local copy
                     counts[name] = _local_count(fmt, path, store.url_of(name))
             finally:
                 os.unlink(path)
@@ -207,131 +131,29 @@ def cmd_index(ctx: Ctx) -> int:
             progress.close()
         schema = _merge_schemas(fmt, [(n, counts[n][1]) for n, _ in objects], store)
         shards = tuple(ShardInfo(n, s, counts[n][0], hashes[n]) for n, s in objects)
-        manifest = Manifest(format=fmt, schema=schema, shards=shards,
-                            extra={"indexed_by": f"datacache {__version__}", "pattern": pattern})
+        manifest = Manifest(format=fmt.name, schema=schema, shards=shards,
+                            extra={"indexed_by": f"datacache {__version__}", "pattern": pattern,
+                                   **({"split": a.split} if a.split else {})})
         store.write_bytes(MANIFEST_NAME, manifest.to_json().encode())
         url = store.url_of(MANIFEST_NAME)
     seconds = time.monotonic() - t0
-    ctx.emit({"url": url, "dataset_id": manifest.dataset_id, "format": fmt, "schema": schema,
+    ctx.emit({"url": url, "dataset_id": manifest.dataset_id, "format": fmt.name, "schema": schema,
               "num_shards": len(shards), "num_samples": manifest.num_samples, "total_bytes": total,
               "seconds": round(seconds, 3)},
-             [f"wrote {url}: {len(shards)} {fmt} shards, {manifest.num_samples:,} samples, {format_size(total)} "
+             [f"wrote {url}: {len(shards)} {fmt.name} shards, {manifest.num_samples:,} samples, {format_size(total)} "
               f"(read once to hash, {_mbps(total, seconds):.1f} MB/s)",
               f"  dataset id  {manifest.dataset_id}", f"  schema      {json.dumps(schema)}"])
     return 0
 
 
 # -------------------------------------------------------------------------------------- write
-def _normalize(sample: dict[str, Any], where: str, src: str) -> dict[str, Any]:
-    """JSON/Arrow values -> datacache field values: bool -> int, list/dict -> JSON text."""
-    out: dict[str, Any] = {}
-    for k, v in sample.items():
-        if v is None:
-            raise DatacacheError(f"{where}: field {k!r} is null; datacache fields cannot be null", url=src,
-                                 hint="Fill or drop null values first")
-        if isinstance(v, bool):
-            v = int(v)
-        elif isinstance(v, (list, dict)):
-            v = json.dumps(v, default=str)
-        elif not isinstance(v, (bytes, str, int, float, np.ndarray, np.integer, np.floating)):
-            v = str(v)  # dates, decimals...
-        out[str(k)] = v
-    return out
-
-
-def _src_type(src: str, explicit: str) -> str:
-    if explicit != "auto":
-        return explicit
-    if "://" in src:
-        return "dataset"
-    if os.path.isdir(src):
-        return "dataset" if os.path.isfile(os.path.join(src, MANIFEST_NAME)) else "folder"
-    if not os.path.exists(src):
-        raise DatacacheError("no such file or directory", url=src)
-    low = src.lower()
-    if low.endswith((".parquet", ".pq")):
-        return "parquet"
-    if low.endswith((".jsonl", ".ndjson", ".json")):
-        return "jsonl"
-    raise UsageError(f"cannot tell what {src} is (not a folder, .parquet or .jsonl); use --src-type")
-
-
-def _folder_samples(root: str, group: bool) -> Iterator[dict[str, Any]]:
-    files = []
-    for d, dirs, names in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
-        files += [os.path.relpath(os.path.join(d, n), root) for n in names if not n.startswith(".")]
-    if not group:
-        for rel in sorted(files):
-            with open(os.path.join(root, rel), "rb") as f:
-                yield {"__key__": rel, "data": f.read()}
-        return
-    items = []
-    for rel in files:
-        d, base = os.path.split(rel)
-        if "." in base:  # no extension: skipped, as WebDataset does
-            stem, ext = base.split(".", 1)
-            items.append((os.path.join(d, stem), ext, rel))
-    sample: dict[str, Any] = {}
-    for key, ext, rel in sorted(items):
-        if sample and sample["__key__"] != key:
-            yield sample
-            sample = {}
-        sample.setdefault("__key__", key)
-        with open(os.path.join(root, rel), "rb") as f:
-            sample[ext] = f.read()
-    if sample:
-        yield sample
-
-
-def _jsonl_samples(path: str) -> Iterator[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise DatacacheError(f"line {lineno} is not valid JSON ({exc})", url=path) from None
-            if not isinstance(obj, dict):
-                raise DatacacheError(f"line {lineno} is not a JSON object", url=path)
-            yield _normalize(obj, f"line {lineno}", path)
-
-
-def _parquet_samples(path: str) -> Iterator[dict[str, Any]]:
-    with readers.open_shard("parquet", path) as r:
-        for i, row in enumerate(r):
-            yield _normalize(row, f"row {i}", path)
-
-
-def _dataset_samples(url: str, storage_options: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    with closing(open_store(url, storage_options)) as store:
-        m = load_manifest(store)
-        fmt = readers.get_format(m.format)
-        with tempfile.TemporaryDirectory(prefix="datacache-write-src-") as tmpdir:
-            for info in m.shards:
-                path, h = _download(store, info.name, info.bytes, tmpdir, lambda n: None)
-                try:
-                    if h != info.hash:
-                        raise IntegrityError(f"content hash {h} != manifest {info.hash}", url=store.url_of(info.name),
-                                             hint="Run `datacache verify` on the source")
-                    with fmt.open(path) as r:
-                        yield from r
-                finally:
-                    os.unlink(path)
-
-
 def cmd_write(ctx: Ctx) -> int:
     a = ctx.args
-    kind = _src_type(a.src, a.src_type)
-    if kind == "folder":
-        samples = _folder_samples(a.src, a.group)
-    elif kind == "jsonl":
-        samples = _jsonl_samples(a.src)
-    elif kind == "parquet":
-        samples = _parquet_samples(a.src)
-    else:
-        samples = _dataset_samples(a.src, ctx.storage_options)
+    source = open_source(a.src, a.src_type, group=a.group, shuffle=a.shuffle, seed=a.seed,
+                         storage_options=ctx.storage_options)
+    kind, samples = source.kind, source.samples
+    for warning in source.warnings:
+        print(f"datacache: warning: {warning}", file=sys.stderr)
     t0 = time.monotonic()
     with closing(open_store(a.dest, ctx.storage_options)) as dest:
         if not a.force and dest.exists(MANIFEST_NAME):
@@ -356,12 +178,13 @@ def cmd_write(ctx: Ctx) -> int:
         assert m is not None
         url = dest.url
     seconds = time.monotonic() - t0
+    classes = [] if source.classes is None else [f"  classes     {json.dumps(source.classes)} (label = index)"]
     ctx.emit({"src": a.src, "src_type": kind, "url": url, "dataset_id": m.dataset_id, "format": m.format,
               "schema": m.schema, "num_shards": len(m.shards), "num_samples": m.num_samples,
-              "total_bytes": m.total_bytes, "seconds": round(seconds, 3)},
+              "total_bytes": m.total_bytes, "seconds": round(seconds, 3), "classes": source.classes},
              [f"wrote {m.num_samples:,} samples from {a.src} ({kind}) to {url}: {len(m.shards)} {m.format} shards, "
               f"{format_size(m.total_bytes)} in {seconds:.1f} s",
-              f"  dataset id  {m.dataset_id}", f"  schema      {json.dumps(m.schema)}"])
+              f"  dataset id  {m.dataset_id}", f"  schema      {json.dumps(m.schema)}", *classes])
     return 0
 
 

@@ -167,7 +167,7 @@ copy that hashing makes. Hashing needs every object to be read once (a progress 
 the manifest records a content hash per shard so the cache can verify what it serves.
 
 examples:
-  datacache index s3://bucket/hf/ --format parquet --pattern 'data/train-*.parquet'
+  datacache index s3://bucket/hf/ --format parquet --split train
   datacache index s3://bucket/wds/ --format tar
   datacache index /data/lmdb-shards --format lmdb --threads 4
 """,
@@ -175,14 +175,15 @@ examples:
 Converts SRC into a datacache dataset at DEST. SRC may be:
   a folder     one sample per file: {"__key__": relative path, "data": bytes}; with --group, files
                sharing a basename up to the first '.' form one sample, one field per extension
-               (WebDataset-style: a/0001.jpg + a/0001.cls -> {"__key__": "a/0001", "jpg", "cls"})
-  a .parquet   one sample per row
+               (WebDataset-style: a/0001.jpg + a/0001.cls -> {"__key__": "a/0001", "jpg", "cls"}); in
+               class folders (SRC/<class>/...) also "label" (index of the sorted classes) and "class"
+  a .parquet   one sample per row (local or a URL); Hugging Face images become their bytes
   a .jsonl     one sample per line (a JSON object); lists and objects become JSON strings
   a dataset    a URL or folder with a manifest.json (samples are copied in shard order)
 Tar shards cannot hold a "__key__" field: it is written as "key" instead.
 
 examples:
-  datacache write ./images/ s3://bucket/images/ --format tar --group
+  datacache write ./images/ s3://bucket/images/ --format tar --group --shuffle
   datacache write rows.jsonl s3://bucket/rows/ --shard-bytes 128MB
   datacache write s3://bucket/parquet-ds/ s3://bucket/zstd-ds/ --format zstd
 """,
@@ -317,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=("parquet", "tar", "lmdb"), help="format of the files")
     p.add_argument("--pattern", metavar="GLOB", default=None,
                    help="which objects (relative names; '*' crosses '/'); default '*.parquet' / '*.tar' / '*.lmdb'")
+    p.add_argument("--split", metavar="NAME", help="only this split's files (Hugging Face: NAME-*.parquet, NAME/)")
     p.add_argument("--threads", type=_pos_int, default=8, help="objects read at once (default 8)")
     p.add_argument("--force", action="store_true", help="replace an existing manifest.json")
 
@@ -328,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-bytes", type=_size, default=64_000_000, metavar="SIZE",
                    help="roll shards at this many payload bytes (default 64MB)")
     p.add_argument("--group", action="store_true", help="folder: group files by basename (WebDataset-style)")
+    p.add_argument("--shuffle", action="store_true", help="folder: write the samples in a random order (seeded)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --shuffle (default 0)")
     p.add_argument("--src-type", choices=("auto", "folder", "parquet", "jsonl", "dataset"), default="auto",
                    help="what SRC is (default: guessed from it)")
     p.add_argument("--force", action="store_true", help="replace DEST's dataset (old shards go once the new is live)")

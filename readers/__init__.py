@@ -2,7 +2,10 @@
 
 A reader turns a *local* shard file into samples (``dict`` field -> value) and knows nothing of
 caches or networks. Each format object in :data:`FORMATS` has ``name``, ``extension``,
-``open(path, **kw) -> ShardReader`` and ``ShardWriter(path, schema, **kw)``.
+``open(path, **kw) -> ShardReader`` and ``ShardWriter(path, schema, **kw)``, and may have
+``probe`` (a cheap check of a remote file through range reads; see :class:`readers.base.ShardFormat`).
+Every failure to read a file is a :class:`ReaderError` (:mod:`readers.errors`). Imports go one way:
+``errors`` <- ``codec`` <- ``base`` <- the format modules <- this package; never ``datacache``.
 
 Built-in formats: ``zstd`` (``.dcz``, native), ``parquet`` (``.parquet``), ``lmdb``
 (``.lmdb``) and ``tar`` (``.tar``, WebDataset layout).
@@ -20,16 +23,13 @@ from . import lmdb as _lmdb
 from . import parquet as _parquet
 from . import tar as _tar
 from . import zstd as _zstd
-from .base import ReaderError, ShardFormat, ShardReader, ShardWriter
+from .base import ShardFormat, ShardReader, ShardWriter
+from .errors import ReaderError, UnknownFormatError
 
 __all__ = [
     "FORMATS", "UnknownFormatError", "ReaderError", "ShardReader", "ShardWriter", "ShardFormat",
     "register_format", "get_format", "open_shard", "codec",
 ]
-
-
-class UnknownFormatError(ValueError):
-    """A shard format name that is not registered."""
 
 
 FORMATS: dict[str, Any] = {}

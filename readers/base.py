@@ -1,4 +1,4 @@
-"""Abstract shard reader/writer and the reader error type.
+"""Abstract shard reader/writer and the shard format record.
 
 A :class:`ShardReader` turns one *local* shard file into samples (``dict`` field -> value). It
 knows nothing of caches or networks. A :class:`ShardWriter` produces such a file from samples.
@@ -8,6 +8,11 @@ guard it with a lock). Readers are fork-safe: every public read re-checks ``os.g
 reopens its file handles, mmaps or LMDB environment in a forked child (e.g. a DataLoader worker),
 so a reader opened in the parent can be used in the child. Readers also pickle (the handles are
 dropped and reopened lazily), so they work with the ``spawn`` start method too.
+
+Samples are writable, and an in-place change to one never reaches the file: arrays view writable
+memory (a copy-on-write mapping, a pooled decompression buffer, or a copy of the row/member).
+Each :meth:`ShardReader.iter_range` decodes afresh, so a change shows in no later run; only
+``get`` of the same sample again, while its block is still the reader's current one, sees it.
 """
 from __future__ import annotations
 
@@ -16,43 +21,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from .codec import Sample, Schema, check_sample, check_schema
+from .errors import ReaderError
+
 __all__ = ["ReaderError", "ShardReader", "ShardWriter", "ShardFormat", "Sample", "Schema"]
-
-Sample = dict[str, Any]
-Schema = dict[str, str]
-
-
-class ReaderError(ValueError):
-    """A local shard file cannot be parsed: wrong format, truncated, corrupt or hostile.
-
-    ``path`` is the file concerned and ``hint`` says what to do; both appear in the message,
-    e.g. ``"/x/a.tar: not a tar shard (bad header at offset 0). Check the dataset's 'format'
-    in manifest.json"``.
-    """
-
-    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None,
-                 hint: str | None = None) -> None:
-        self.path = None if path is None else os.fspath(path)
-        self.url = self.path  # same attribute name as datacache.errors.DatacacheError
-        self.hint = hint
-        text = message
-        if self.path is not None and not message.startswith(self.path):
-            text = f"{self.path}: {message}"
-        if hint:
-            text = f"{text.rstrip('.')}. {hint}"
-        super().__init__(text)
-
-    def __reduce__(self) -> tuple[Any, ...]:  # keep path/hint across pickling (DataLoader)
-        return (_rebuild_error, (type(self), str(self), self.path, self.hint))
-
-
-def _rebuild_error(cls: type[ReaderError], text: str, path: str | None,
-                   hint: str | None) -> ReaderError:
-    err = cls.__new__(cls)
-    ValueError.__init__(err, text)
-    err.path = err.url = path
-    err.hint = hint
-    return err
 
 
 class ShardReader(abc.ABC):
@@ -98,7 +70,7 @@ class ShardReader(abc.ABC):
     def _ensure_open(self) -> None:
         """Open handles on first use, and reopen them in a forked child."""
         if self._closed:
-            raise ValueError(f"{self.path}: reader is closed")
+            raise ReaderError("reader is closed", path=self.path, hint="Open the shard again")
         pid = os.getpid()
         if self._pid == pid:
             return
@@ -152,6 +124,11 @@ class ShardReader(abc.ABC):
     def __iter__(self) -> Iterator[Sample]:
         return self.iter_range(0, len(self))
 
+    def field_kinds(self) -> Schema:
+        """The schema a manifest records for this file: :attr:`schema`, or for a file without
+        one, the kinds its fields come back as (see the format's reader)."""
+        return dict(self.schema or {})
+
     def close(self) -> None:
         """Release the file handles; idempotent. The reader cannot be used afterwards."""
         if self._closed:
@@ -189,8 +166,6 @@ class ShardWriter(abc.ABC):
     """
 
     def __init__(self, path: str | os.PathLike[str], schema: Schema) -> None:
-        from .codec import check_schema  # local import: codec imports ReaderError from here
-
         self.path: str = os.fspath(path)
         self.schema: Schema = check_schema(schema)
         self.tmp_path: str = self.path + ".partial"
@@ -213,8 +188,6 @@ class ShardWriter(abc.ABC):
     def write(self, sample: Sample) -> None:
         """Append one sample; raises :class:`ValueError`/:class:`TypeError` if it does not
         match the schema."""
-        from .codec import check_sample
-
         if self._closed:
             raise ValueError(f"{self.path}: writer is closed")
         check_sample(sample, self.schema)
@@ -269,14 +242,28 @@ def _remove(path: str) -> None:
         pass
 
 
+ReadRange = Callable[[int, int], bytes]  # (start, end) -> those bytes of a file, e.g. a range read
+Probe = Callable[[ReadRange, int, str], "tuple[int, Schema] | None"]
+
+
 @dataclass(frozen=True)
 class ShardFormat:
-    """A registered shard format: ``open(path, **kw)`` and ``ShardWriter(path, schema, **kw)``."""
+    """A registered shard format: ``open(path, **kw)`` and ``ShardWriter(path, schema, **kw)``.
+
+    ``probe(read_range, size, name)``, where a format has one, checks a file that is not local
+    (a remote object) with a few range reads: it returns ``(samples, schema)`` when they can be
+    told without reading the whole file (Parquet's footer), else None, and raises
+    :class:`ReaderError` naming ``name`` when the file is not of this format. ``union_schema``:
+    samples may lack some fields (WebDataset tars), so a dataset's schema is the union of its
+    files' schemas rather than one schema they all share.
+    """
 
     name: str
     extension: str
     reader: Callable[..., ShardReader]
     ShardWriter: Callable[..., ShardWriter]
+    probe: Probe | None = None
+    union_schema: bool = False
 
     def open(self, path: str | os.PathLike[str], **kw: Any) -> ShardReader:
         """Open ``path`` as a shard of this format (raises :class:`ReaderError`)."""

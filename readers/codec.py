@@ -11,8 +11,9 @@ A sample is a ``dict`` field -> ``bytes | str | int | float | numpy.ndarray``. A
 
 Decoding is bounds-checked: a declared length or shape that does not fit the buffer raises
 :class:`ReaderError` and never allocates. ``ndarray`` fields decode zero-copy with
-:func:`numpy.frombuffer` (the arrays are read-only views of the buffer). All functions are pure
-and thread-safe.
+:func:`numpy.frombuffer`: the arrays are views of the buffer, writable when it is (the readers
+decode from writable memory, so samples can be changed in place). All functions are pure and
+thread-safe.
 """
 from __future__ import annotations
 
@@ -23,13 +24,15 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .base import ReaderError, Sample, Schema
+from .errors import ReaderError
 
 __all__ = [
-    "KINDS", "check_schema", "infer_schema", "check_sample", "encode_field", "decode_field",
+    "Sample", "Schema", "KINDS", "check_schema", "infer_schema", "check_sample", "encode_field", "decode_field",
     "encode_sample", "decode_sample", "decode_uniform", "schema_to_json", "schema_from_json",
 ]
 
+Sample = dict[str, Any]
+Schema = dict[str, str]
 KINDS = ("bytes", "str", "int", "float", "ndarray")
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")

@@ -22,18 +22,17 @@ from typing import Any, Iterator
 
 import lmdb  # absolute import: the py-lmdb library, not this module
 
-from .base import ReaderError, Sample, Schema, ShardFormat, _remove
+from .base import ShardFormat, _remove
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
-from .codec import decode_sample, encode_sample, schema_from_json
+from .codec import Sample, Schema, decode_sample, encode_sample, schema_from_json
+from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
 __all__ = ["LmdbShardReader", "LmdbShardWriter", "FORMAT", "META_KEY"]
 
 META_KEY = b"__datacache_schema__"
 _KEY = struct.Struct(">Q")
 _FOREIGN_SCHEMA: Schema = {"key": "bytes", "value": "bytes"}
-_HINT_FORMAT = "Check the dataset's 'format' in manifest.json"
-_HINT_CORRUPT = "The file is truncated or corrupt; delete it so the cache fetches it again"
 
 
 class LmdbShardWriter(_BaseWriter):
@@ -99,26 +98,29 @@ class LmdbShardReader(_BaseReader):
         self._ensure_open()
 
     def _corrupt(self, what: str) -> ReaderError:
-        return ReaderError(f"corrupt lmdb shard: {what}", path=self.path, hint=_HINT_CORRUPT)
+        return ReaderError(f"corrupt lmdb shard: {what}", path=self.path, hint=HINT_CORRUPT)
 
     def _open_handles(self) -> None:
         size = os.stat(self.path).st_size
         if os.path.isdir(self.path) or size == 0:
             raise ReaderError("not an lmdb shard (expected a non-empty LMDB data file)",
-                              path=self.path, hint=_HINT_FORMAT)
+                              path=self.path, hint=HINT_FORMAT)
         try:
             self._env = lmdb.open(self.path, subdir=False, readonly=True, lock=False,
                                   readahead=False, max_readers=self.max_readers, create=False)
         except lmdb.Error as exc:
             detail = str(exc).replace(f"{self.path}: ", "")
             raise ReaderError(f"not an lmdb shard ({detail})", path=self.path,
-                              hint=_HINT_FORMAT) from None
-        needed = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
-        if size < needed:
-            raise self._corrupt(f"file has {size} bytes but its pages need {needed}")
-        self._txn = self._env.begin(buffers=False)
-        if self._n < 0:
-            self._load_layout()
+                              hint=HINT_FORMAT) from None
+        try:
+            needed = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
+            if size < needed:
+                raise self._corrupt(f"file has {size} bytes but its pages need {needed}")
+            self._txn = self._env.begin(buffers=True)  # values are copied once, into writable memory
+            if self._n < 0:
+                self._load_layout()
+        except lmdb.Error as exc:
+            raise self._corrupt(f"cannot read the environment ({exc})") from None
 
     def _close_handles(self) -> None:
         if self._txn is not None:
@@ -132,11 +134,11 @@ class LmdbShardReader(_BaseReader):
         entries = self._env.stat()["entries"]
         raw = self._txn.get(META_KEY)
         if raw is None:
-            self._keys = list(self._txn.cursor().iternext(keys=True, values=False))
+            self._keys = [bytes(k) for k in self._txn.cursor().iternext(keys=True, values=False)]
             self.schema, self._n = dict(_FOREIGN_SCHEMA), len(self._keys)
             return
         try:
-            meta = json.loads(raw)
+            meta = json.loads(bytes(raw))
             count, schema = meta["count"], meta["schema"]
         except (ValueError, TypeError, KeyError) as exc:
             raise self._corrupt(f"invalid metadata under {META_KEY!r} ({exc})") from None
@@ -152,29 +154,39 @@ class LmdbShardReader(_BaseReader):
     def _key(self, index: int) -> bytes:
         return self._keys[index] if self._keys is not None else _KEY.pack(index)
 
-    def _sample(self, index: int, key: bytes, value: bytes | None) -> Sample:
+    def _sample(self, index: int, key: memoryview | bytes, value: memoryview | None) -> Sample:
+        """Sample ``index`` from the buffers of the read transaction (valid only until it ends:
+        copied here, into bytes or a ``bytearray`` the sample's arrays view writably)."""
         if value is None or key != self._key(index):
             raise self._corrupt(f"sample {index} (key {self._key(index)!r}) is missing")
         if self._keys is not None:
-            return {"key": key, "value": value}
+            return {"key": bytes(key), "value": bytes(value)}
         try:
-            return decode_sample(value, self.schema or {})
+            return decode_sample(bytearray(value), self.schema or {})
         except ReaderError as exc:
             raise self._corrupt(f"sample {index}: {exc}") from None
 
     def _get(self, index: int) -> Sample:
         assert self._txn is not None
         key = self._key(index)
-        return self._sample(index, key, self._txn.get(key))
+        try:
+            value = self._txn.get(key)
+        except lmdb.Error as exc:
+            raise self._corrupt(f"sample {index} cannot be read ({exc})") from None
+        return self._sample(index, key, value)
 
     def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:
         assert self._txn is not None
-        cursor = self._txn.cursor()
-        found = cursor.set_key(self._key(start))
-        for i in range(start, stop):
-            key, value = cursor.item() if found else (b"", None)
-            yield self._sample(i, key, value)
-            found = cursor.next()
+        i = start
+        try:
+            cursor = self._txn.cursor()
+            found = cursor.set_key(self._key(start))
+            for i in range(start, stop):
+                key, value = cursor.item() if found else (b"", None)
+                yield self._sample(i, key, value)
+                found = cursor.next()
+        except lmdb.Error as exc:
+            raise self._corrupt(f"sample {i} cannot be read ({exc})") from None
 
 
 def _check_import() -> Any:

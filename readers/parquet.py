@@ -15,6 +15,7 @@ Thread safety: one reader or writer per thread.
 """
 from __future__ import annotations
 
+import io
 import os
 from typing import Any, Iterator, Sequence
 
@@ -22,21 +23,22 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .base import ReaderError, Sample, Schema, ShardFormat
+from ._bufpool import shared_pool
+from .base import ReadRange, ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
-from .codec import decode_field, encode_field, schema_from_json, schema_to_json
+from .codec import Sample, Schema, decode_field, encode_field, schema_from_json, schema_to_json
+from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
-__all__ = ["ParquetShardReader", "ParquetShardWriter", "FORMAT", "SCHEMA_KEY", "arrow_kind"]
+__all__ = ["ParquetShardReader", "ParquetShardWriter", "FORMAT", "SCHEMA_KEY", "arrow_kind", "probe"]
 
 SCHEMA_KEY = b"datacache.schema"
 _MAGIC = b"PAR1"
+_FOOTER_TAIL = 64 << 10
 _ARROW_TYPES: dict[str, pa.DataType] = {
     "bytes": pa.binary(), "str": pa.string(), "int": pa.int64(), "float": pa.float64(),
     "ndarray": pa.binary(),
 }
-_HINT_FORMAT = "Check the dataset's 'format' in manifest.json"
-_HINT_CORRUPT = "The file is truncated or corrupt; delete it so the cache fetches it again"
 
 
 def _to_column(kind: str, value: Any) -> tuple[Any, int]:
@@ -110,6 +112,96 @@ def arrow_kind(dtype: pa.DataType) -> str:
     return "float" if pa.types.is_floating(dtype) else "any"
 
 
+def _values(column: pa.ChunkedArray, encoded: bool) -> list[Any]:
+    """A column's values as samples hold them: floats keep a narrower dtype as numpy scalars
+    (``float32`` stays ``float32``), ``encoded`` (codec-encoded array) columns are views of one
+    writable copy of the data, so their arrays are writable; else ``to_pylist``."""
+    if encoded:
+        return [v for chunk in column.chunks for v in _binary_views(chunk)]
+    if pa.types.is_floating(column.type) and column.type != pa.float64():
+        return [v if v is None else column.type.to_pandas_dtype()(v) for v in column.to_pylist()] \
+            if column.null_count else list(column.to_numpy())
+    return column.to_pylist()
+
+
+def _binary_views(chunk: pa.Array) -> list[memoryview | None]:
+    """The values of a binary array as views of one writable copy of its data buffer (a pooled
+    buffer: see ``readers._bufpool``)."""
+    _, offsets, data = chunk.buffers()
+    wide = pa.types.is_large_binary(chunk.type)
+    size = 8 if wide else 4
+    offs = np.frombuffer(offsets, "<i8" if wide else "<i4", len(chunk) + 1, chunk.offset * size).tolist()
+    base, size = offs[0], offs[-1] - offs[0]
+    copy = shared_pool().take(size)  # warm pages, reused once no sample views them
+    if size:
+        copy[:] = memoryview(data).cast("B")[base:base + size]
+    views: list[memoryview | None] = [copy[a - base:b - base] for a, b in zip(offs, offs[1:])]
+    if chunk.null_count:
+        for i in np.flatnonzero(chunk.is_null().to_numpy(zero_copy_only=False)).tolist():
+            views[i] = None
+    return views
+
+
+class _RangeFile(io.RawIOBase):
+    """A read-only file served by ``read_range``; the last 64 KiB are read once up front (a
+    Parquet footer usually fits, so reading the metadata of a remote file costs one request)."""
+
+    def __init__(self, read_range: ReadRange, size: int) -> None:
+        super().__init__()
+        self._read_range, self._size, self._pos = read_range, size, 0
+        self._tail_start = max(0, size - _FOOTER_TAIL)
+        self.tail = read_range(self._tail_start, size)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = max(0, {0: 0, 1: self._pos, 2: self._size}[whence] + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        end = self._size if n is None or n < 0 else min(self._size, self._pos + n)
+        if end <= self._pos:
+            return b""
+        if self._pos >= self._tail_start:
+            data = self.tail[self._pos - self._tail_start:end - self._tail_start]
+        else:
+            data = self._read_range(self._pos, end)
+        self._pos += len(data)
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+
+def probe(read_range: ReadRange, size: int, name: str) -> tuple[int, Schema]:
+    """``(rows, schema)`` of a Parquet file from its footer alone (range reads, usually one);
+    :class:`ReaderError` naming ``name`` if it is not a Parquet file."""
+    if size < 12:
+        raise ReaderError(f"not a parquet file ({size} bytes)", path=name)
+    f = _RangeFile(read_range, size)
+    if f.tail[-4:] != _MAGIC:
+        raise ReaderError("not a parquet file (no PAR1 magic at the end)", path=name)
+    try:
+        md = pq.read_metadata(f)
+        stored = (md.metadata or {}).get(SCHEMA_KEY)
+        schema = schema_from_json(stored, name) if stored is not None else \
+            {field.name: arrow_kind(field.type) for field in md.schema.to_arrow_schema()}
+    except ReaderError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ReaderError(f"cannot parse the parquet footer ({exc})", path=name) from None
+    return int(md.num_rows), schema
+
+
 class ParquetShardReader(_BaseReader):
     """Read a Parquet shard through a memory map, one row group at a time.
 
@@ -130,20 +222,25 @@ class ParquetShardReader(_BaseReader):
         self._ndarrays: list[str] = []  # columns holding codec-encoded arrays
         self._ensure_open()
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_cached"] = (-1, {})  # views of this process's row group copy
+        return state
+
     def _error(self, what: str, exc: BaseException | None = None) -> ReaderError:
         detail = f" ({exc})" if exc is not None else ""
-        return ReaderError(f"{what}{detail}", path=self.path, hint=_HINT_CORRUPT)
+        return ReaderError(f"{what}{detail}", path=self.path, hint=HINT_CORRUPT)
 
     def _open_handles(self) -> None:
         with open(self.path, "rb") as f:
             head = f.read(4)
         if head != _MAGIC:
             raise ReaderError(f"not a parquet shard (bad magic {head!r} at offset 0, expected "
-                              f"{_MAGIC!r})", path=self.path, hint=_HINT_FORMAT)
+                              f"{_MAGIC!r})", path=self.path, hint=HINT_FORMAT)
         try:
             self._source = pa.memory_map(self.path, "r")
             self._pf = pq.ParquetFile(self._source)
-        except (pa.ArrowException, OSError) as exc:
+        except (pa.ArrowException, OSError, ValueError) as exc:  # also a column name not UTF-8
             raise self._error("truncated or corrupt parquet shard", exc) from None
         if self._ends is None:
             self._load_metadata(self._pf)
@@ -195,9 +292,9 @@ class ParquetShardReader(_BaseReader):
         names = list(self.schema)
         try:
             table = self._pf.read_row_group(group, columns=names, use_threads=False)
-        except (pa.ArrowException, OSError) as exc:
+            columns = {name: _values(table.column(name), name in self._ndarrays) for name in names}
+        except (pa.ArrowException, OSError, ValueError) as exc:  # also invalid UTF-8 in a string
             raise self._error(f"row group {group} cannot be read", exc) from None
-        columns = {name: table.column(name).to_pylist() for name in names}
         self._cached = (group, columns)
         return columns
 
@@ -218,6 +315,7 @@ class ParquetShardReader(_BaseReader):
 
     def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:
         assert self._ends is not None
+        self._cached = (-1, {})  # a new run decodes afresh: no earlier in-place write shows
         group, i = int(np.searchsorted(self._ends, start, side="right")), start
         while i < stop:
             base, end = self._group_start(group), min(stop, int(self._ends[group]))
@@ -228,4 +326,4 @@ class ParquetShardReader(_BaseReader):
 
 
 FORMAT = ShardFormat(name="parquet", extension=".parquet", reader=ParquetShardReader,
-                     ShardWriter=ParquetShardWriter)
+                     ShardWriter=ParquetShardWriter, probe=probe)

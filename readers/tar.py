@@ -25,19 +25,18 @@ import re
 import tarfile
 from typing import Any, Iterator
 
-from .base import ReaderError, Sample, Schema, ShardFormat
+from .base import ReadRange, ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
-from .codec import decode_field, encode_field, schema_from_json, schema_to_json
+from .codec import Sample, Schema, decode_field, encode_field, schema_from_json, schema_to_json
+from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
-__all__ = ["TarShardReader", "TarShardWriter", "FORMAT", "SCHEMA_MEMBER"]
+__all__ = ["TarShardReader", "TarShardWriter", "FORMAT", "SCHEMA_MEMBER", "member_key", "probe"]
 
 SCHEMA_MEMBER = "__datacache_schema__.json"
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$", re.DOTALL)  # WebDataset's base_plus_ext
 _BLOCK = 512
 _MAX_SCHEMA_BYTES = 1 << 20
-_HINT_FORMAT = "Check the dataset's 'format' in manifest.json"
-_HINT_CORRUPT = "The file is truncated or corrupt; delete it so the cache fetches it again"
 _HINT_UNSAFE = "Refusing a hostile or unsupported tar; rebuild the shard with plain files only"
 _Members = list[tuple[str, int, int]]  # (field, data offset, size)
 
@@ -50,7 +49,7 @@ def _encode_text(kind: str, value: Any) -> bytes:
     return encode_field(kind, value)
 
 
-def _decode_text(kind: str, raw: bytes) -> Any:
+def _decode_text(kind: str, raw: bytes | bytearray) -> Any:
     try:
         if kind == "int":
             return int(raw.decode("ascii"))
@@ -59,6 +58,26 @@ def _decode_text(kind: str, raw: bytes) -> Any:
     except ValueError as exc:  # also UnicodeDecodeError
         raise ReaderError(f"{kind} field is not decimal text ({exc})") from None
     return decode_field(kind, raw)
+
+
+def member_key(name: str) -> tuple[str, str] | None:
+    """``(key, field)`` of a member path as WebDataset groups it (``a/0001.jpg`` -> ``("a/0001",
+    "jpg")``), or None for a name without an extension (skipped)."""
+    match = _KEY_RE.match(name)
+    return None if match is None else (match.group(1), match.group(2))
+
+
+def probe(read_range: ReadRange, size: int, name: str) -> None:
+    """Check that a file starts with a tar header (one 512-byte read); :class:`ReaderError`
+    naming ``name`` if not. The sample count needs the whole file: None."""
+    head = read_range(0, min(_BLOCK, size))
+    try:
+        tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
+    except tarfile.EOFHeaderError:  # an empty archive
+        pass
+    except tarfile.HeaderError as exc:
+        raise ReaderError(f"not a tar file ({exc})", path=name) from None
+    return None
 
 
 class _BoundedFile(io.RawIOBase):
@@ -134,7 +153,7 @@ class TarShardReader(_BaseReader):
         self._samples: list[tuple[str, _Members]] = []
         self._ensure_open()
 
-    def _corrupt(self, what: str, hint: str = _HINT_CORRUPT) -> ReaderError:
+    def _corrupt(self, what: str, hint: str = HINT_CORRUPT) -> ReaderError:
         return ReaderError(what, path=self.path, hint=hint)
 
     def _open_handles(self) -> None:
@@ -156,7 +175,7 @@ class TarShardReader(_BaseReader):
             tar = tarfile.open(fileobj=_BoundedFile(fd, size), mode="r:")
         except (tarfile.TarError, ValueError, OverflowError) as exc:
             raise ReaderError(f"not a tar shard (bad header at offset 0: {exc})", path=self.path,
-                              hint=_HINT_FORMAT) from None
+                              hint=HINT_FORMAT) from None
         first = True
         while True:
             try:
@@ -193,10 +212,10 @@ class TarShardReader(_BaseReader):
             if first:
                 self._load_schema(info)
             return
-        match = _KEY_RE.match(info.name)
-        if match is None:  # no extension: skipped, as WebDataset does
+        split = member_key(info.name)
+        if split is None:  # no extension: skipped, as WebDataset does
             return
-        key, field = match.groups()
+        key, field = split
         if not self._samples or self._samples[-1][0] != key:
             self._samples.append((key, []))
         members = self._samples[-1][1]
@@ -209,23 +228,37 @@ class TarShardReader(_BaseReader):
             raise self._corrupt(f"{SCHEMA_MEMBER} is {info.size} bytes, too large")
         self.schema = schema_from_json(self._read(info.offset_data, info.size), self.path)
 
-    def _read(self, offset: int, size: int) -> bytes:
+    def _read(self, offset: int, size: int, writable: bool = False) -> bytes | bytearray:
+        """``size`` bytes at ``offset``; into a ``bytearray`` when ``writable`` (arrays decoded from
+        it are then writable, at no extra copy)."""
         assert self._file is not None
-        data = os.pread(self._file.fileno(), size, offset)
-        if len(data) != size:
+        if writable:
+            data: bytes | bytearray = bytearray(size)
+            got = os.preadv(self._file.fileno(), [data], offset) if size else 0
+        else:
+            data = os.pread(self._file.fileno(), size, offset)
+            got = len(data)
+        if got != size:
             raise self._corrupt(f"truncated tar shard: short read at offset {offset}")
         return data
 
     def __len__(self) -> int:
         return len(self._samples)
 
+    def field_kinds(self) -> Schema:
+        """The stored schema, or for a plain WebDataset tar one ``bytes`` field per member
+        extension, in order of first appearance (samples may lack some of them)."""
+        if self.schema is not None:
+            return dict(self.schema)
+        return {field: "bytes" for _, members in self._samples for field, _, _ in members}
+
     def _get(self, index: int) -> Sample:
         key, members = self._samples[index]
         schema = self.schema or {}
         sample: Sample = {"__key__": key}
         for field, offset, size in members:
-            raw = self._read(offset, size)
             kind = schema.get(field, "bytes")
+            raw = self._read(offset, size, writable=kind == "ndarray")
             try:
                 sample[field] = raw if kind == "bytes" else _decode_text(kind, raw)
             except ReaderError as exc:
@@ -238,4 +271,4 @@ class TarShardReader(_BaseReader):
 
 
 FORMAT = ShardFormat(name="tar", extension=".tar", reader=TarShardReader,
-                     ShardWriter=TarShardWriter)
+                     ShardWriter=TarShardWriter, probe=probe, union_schema=True)

@@ -15,10 +15,12 @@ Each block holds the :func:`readers.codec.encode_sample` bytes of consecutive sa
 ``block_bytes`` raw; a larger sample gets a block of its own), so ``get(i)`` decompresses one
 block. A block that zstd shrinks by less than 1/32 (already-compressed images, audio, random
 bytes) is stored raw, flagged by the top bit of its ``file_offset`` (``RAW_BLOCK``, with compressed_len ==
-raw_len): its samples are read in place, zero-copy views of the mapped file. Compressed blocks are
-decompressed into pooled, reused buffers (``readers._bufpool``). Every declared size is validated against the file size and ``max_block_bytes`` before
-use, and a block is decompressed into a buffer of exactly its validated raw length, so a crafted
-file (or a zstd bomb) raises :class:`ReaderError` instead of allocating unbounded memory.
+raw_len): its samples are read in place, zero-copy views of the file mapped copy-on-write
+(``readers._cowmap``: writable, and a write never reaches the file). Compressed blocks are
+decompressed into pooled, reused buffers (``readers._bufpool``). Every declared size is validated
+against the file size and ``max_block_bytes`` before use, and a block is decompressed into a
+buffer of exactly its validated raw length, so a crafted file (or a zstd bomb) raises
+:class:`ReaderError` instead of allocating unbounded memory.
 
 Thread safety: one reader or writer per thread.
 """
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 import zlib
 from array import array
 from typing import Any, Iterator
@@ -35,40 +36,25 @@ import numpy as np
 import zstandard
 
 from ._bufpool import shared_pool
-from .base import ReaderError, Sample, Schema, ShardFormat
+from ._cowmap import CowMap
+from ._dczindex import BLOCK_ROW as _BLOCK_ROW
+from ._dczindex import FOOTER as _FOOTER
+from ._dczindex import HEAD as _HEAD
+from ._dczindex import MAGIC, RAW_BLOCK, block_problem, sample_problem
+from ._dczindex import SAMPLE_ROW as _SAMPLE_ROW
+from ._dczindex import encode_footer as _encode_footer
+from ._dczindex import encode_index as _encode_index
+from .base import ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
-from .codec import decode_sample, decode_uniform, encode_sample, schema_from_json, schema_to_json
+from .codec import Sample, Schema, decode_sample, decode_uniform, encode_sample, schema_from_json
+from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
 __all__ = ["ZstdShardReader", "ZstdShardWriter", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
            "DEFAULT_MAX_BLOCK_BYTES", "RAW_BLOCK"]
 
-MAGIC = b"DCZ1"
 DEFAULT_BLOCK_BYTES = 1 << 20
 DEFAULT_MAX_BLOCK_BYTES = 1 << 30
-_FOOTER = struct.Struct("<QQQI4s")
-_HEAD = struct.Struct("<IQQQ")
-_BLOCK_ROW, _SAMPLE_ROW = 32, 16
-RAW_BLOCK = 1 << 63  # flag in a block's file_offset: stored uncompressed
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_HINT_FORMAT = "Check the dataset's 'format' in manifest.json"
-_HINT_CORRUPT = "The file is truncated or corrupt; delete it so the cache fetches it again"
-
-
-def _encode_index(schema: Schema, dict_offset: int, dict_length: int,
-                  blocks: array, samples: array) -> bytes:
-    """Serialize the index (``blocks``/``samples`` are flat u64 arrays)."""
-    schema_json = schema_to_json(schema).encode("utf-8")
-    head = _HEAD.pack(len(schema_json), dict_offset, dict_length, len(blocks) // 4)
-    return b"".join((head, schema_json, _u64_bytes(blocks), _u64_bytes(samples)))
-
-
-def _u64_bytes(values: array) -> bytes:
-    return np.asarray(values, dtype="<u8").tobytes()
-
-
-def _encode_footer(index_offset: int, index: bytes, sample_count: int) -> bytes:
-    return _FOOTER.pack(index_offset, len(index), sample_count, zlib.crc32(index), MAGIC)
 
 
 class ZstdShardWriter(_BaseWriter):
@@ -188,7 +174,7 @@ class ZstdShardReader(_BaseReader):
     Not thread-safe: one reader per thread.
     """
 
-    _HANDLE_ATTRS = ("_file", "_mmap", "_dctx")
+    _HANDLE_ATTRS = ("_file", "_mmap", "_cow", "_dctx")
 
     def __init__(self, path: str | os.PathLike[str], *,
                  max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES) -> None:
@@ -196,6 +182,7 @@ class ZstdShardReader(_BaseReader):
         self.max_block_bytes = max_block_bytes
         self._file: Any = None
         self._mmap: mmap.mmap | None = None
+        self._cow: CowMap | None = None
         self._dctx: zstandard.ZstdDecompressor | None = None
         self._size = -1
         self._dict_bytes: bytes | None = None
@@ -212,7 +199,7 @@ class ZstdShardReader(_BaseReader):
         self.__dict__.update(state)
 
     def _corrupt(self, what: str) -> ReaderError:
-        return ReaderError(f"corrupt dcz shard: {what}", path=self.path, hint=_HINT_CORRUPT)
+        return ReaderError(f"corrupt dcz shard: {what}", path=self.path, hint=HINT_CORRUPT)
 
     def _open_handles(self) -> None:
         self._file = open(self.path, "rb")
@@ -222,11 +209,11 @@ class ZstdShardReader(_BaseReader):
         head = os.pread(self._file.fileno(), len(MAGIC), 0)
         if head != MAGIC:
             raise ReaderError(f"not a dcz shard (bad magic {head[:4]!r} at offset 0, expected "
-                              f"{MAGIC!r})", path=self.path, hint=_HINT_FORMAT)
+                              f"{MAGIC!r})", path=self.path, hint=HINT_FORMAT)
         if size < len(MAGIC) + _FOOTER.size:
             raise self._corrupt(f"only {size} bytes, too small for a footer")
-        # MAP_POPULATE: one call maps every page (a shard is read whole), not a fault per page
-        self._mmap = mmap.mmap(self._file.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        self._cow = CowMap(self._file.fileno(), size)  # copy-on-write: samples are writable
+        self._mmap = self._cow.map
         if self._size < 0:
             self._parse(size)
             self._size = size
@@ -238,15 +225,12 @@ class ZstdShardReader(_BaseReader):
             raise self._corrupt(f"invalid zstd dictionary ({exc})") from None
 
     def _close_handles(self) -> None:
-        if self._mmap is not None:
-            self._cached = (-1, memoryview(b""))
-            try:
-                self._mmap.close()
-            except BufferError:  # samples of raw blocks still view it: unmapped when they are gone
-                pass
+        self._cached = (-1, memoryview(b""))
+        if self._cow is not None:
+            self._cow.close()  # samples of raw blocks still view it: unmapped when they are gone
         if self._file is not None:
             self._file.close()
-        self._file = self._mmap = self._dctx = None
+        self._file = self._mmap = self._cow = self._dctx = None
         self._cached = (-1, memoryview(b""))
 
     def _parse(self, size: int) -> None:
@@ -272,8 +256,9 @@ class ZstdShardReader(_BaseReader):
         self._check_dict(dict_off, dict_len, io)
         blocks = np.frombuffer(index, "<u8", nblocks * 4, pos).reshape(nblocks, 4)
         samples = np.frombuffer(index, "<u8", n * 2, pos + nblocks * _BLOCK_ROW).reshape(n, 2)
-        self._check_blocks(blocks, n, io)
-        self._check_samples(blocks, samples, n)
+        problem = block_problem(blocks, n, io, self.max_block_bytes) or sample_problem(blocks, samples, n)
+        if problem:
+            raise self._corrupt(problem)
         self._blocks, self._samples, self._n = blocks, samples, n
         self._first = blocks[:, 3]
 
@@ -284,38 +269,6 @@ class ZstdShardReader(_BaseReader):
             raise self._corrupt(f"dictionary span ({offset}, {length}) is invalid")
         assert self._mmap is not None
         self._dict_bytes = self._mmap[offset:offset + length]
-
-    def _check_blocks(self, blocks: np.ndarray, n: int, index_offset: int) -> None:
-        if (len(blocks) == 0) != (n == 0):
-            raise self._corrupt(f"{len(blocks)} blocks for {n} samples")
-        if not len(blocks):
-            return
-        off, clen, rlen, first = blocks.T
-        raw = (off & np.uint64(RAW_BLOCK)) != 0
-        off = off & np.uint64(RAW_BLOCK - 1)
-        if (raw & (clen != rlen)).any():
-            raise self._corrupt("a raw block's stored and raw sizes differ")
-        with np.errstate(over="ignore"):
-            spans_ok = (off >= len(MAGIC)) & (clen >= 1) & (clen <= index_offset) \
-                & (off <= index_offset - clen)
-        if not spans_ok.all():
-            raise self._corrupt("a block lies outside the data region")
-        if ((rlen < 1) | (rlen > self.max_block_bytes)).any():
-            raise self._corrupt(f"a block declares a raw size above max_block_bytes="
-                                f"{self.max_block_bytes} (or zero)")
-        if first[0] != 0 or (first >= n).any() or (np.diff(first.astype(np.int64)) <= 0).any():
-            raise self._corrupt("block sample ranges are not increasing")
-
-    def _check_samples(self, blocks: np.ndarray, samples: np.ndarray, n: int) -> None:
-        if n == 0:
-            return
-        counts = np.diff(np.append(blocks[:, 3], np.uint64(n)).astype(np.int64))
-        raw = np.repeat(blocks[:, 2], counts)
-        off, length = samples[:, 0], samples[:, 1]
-        with np.errstate(over="ignore"):
-            ok = (off <= raw) & (length <= raw - off)
-        if not ok.all():
-            raise self._corrupt(f"sample {int(np.argmin(ok))} lies outside its block")
 
     def __len__(self) -> int:
         return self._n
@@ -332,9 +285,10 @@ class ZstdShardReader(_BaseReader):
             return self._cached[1]
         off, clen, rlen = (int(v) for v in self._blocks[block, :3])
         assert self._mmap is not None and self._dctx is not None
-        if off & RAW_BLOCK:  # zero-copy: the samples are views of the mapped file
-            off &= RAW_BLOCK - 1
-            view = memoryview(self._mmap)[off:off + rlen]
+        if off & RAW_BLOCK:  # zero-copy: the samples are writable views of the mapped file
+            assert self._cow is not None
+            self._cached = (-1, memoryview(b""))  # drop our view before the map checks for live ones
+            view = self._cow.region(off & (RAW_BLOCK - 1), rlen)
             self._cached = (block, view)
             return view
         with memoryview(self._mmap) as whole:
@@ -381,6 +335,7 @@ class ZstdShardReader(_BaseReader):
         return self._decode(memoryview(self._block(block)), offset, length, index)
 
     def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:
+        self._cached = (-1, memoryview(b""))  # a new run decodes afresh: no earlier in-place write shows
         block, i = self._block_of(start), start
         while i < stop:
             data = memoryview(self._block(block))

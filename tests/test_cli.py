@@ -170,7 +170,8 @@ def test_write_folder_plain_and_grouped_tar(node: Node, tmp_path: Path) -> None:
         (src / f"d{i % 2}" / f"{i:04d}.cls").write_bytes(str(i % 3).encode())
     plain, grouped = node.url(), node.url()
     out = run_json(["write", str(src), plain], node.env)
-    assert out["num_samples"] == 24 and out["schema"] == {"__key__": "str", "data": "bytes"}
+    assert out["num_samples"] == 24 and out["classes"] == ["d0", "d1"]  # files in class folders: labelled
+    assert out["schema"] == {"__key__": "str", "data": "bytes", "label": "int", "class": "str"}
     got = {s["__key__"]: s["data"] for s in _read_all(node, plain, shuffle=False)}
     assert got == {str(p.relative_to(src)): p.read_bytes() for p in src.rglob("*") if p.is_file()}
 
