@@ -14,7 +14,7 @@ Public API (guarded by ``tests/test_api.py``)::
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .cache import CacheHandle, NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size

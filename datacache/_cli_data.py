@@ -12,7 +12,7 @@ from contextlib import closing
 
 import readers
 
-from . import __version__
+from ._version import __version__
 from ._cli_common import Ctx, UsageError, _download, _mbps, _Progress, _run_pool, _watch
 from ._cli_sources import open_source
 from .config import format_size

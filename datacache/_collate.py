@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -30,12 +30,21 @@ from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate as _walk
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-if TYPE_CHECKING:
-    from ._batches import BatchRing
-
 __all__ = ["Field", "Layout", "BatchPlan", "plan", "assemble", "collate"]
 
 _ALIGN = 64
+
+
+class BatchRing(Protocol):
+    """Where ``assemble`` puts a batch's fixed columns (``_batches.BatchRing`` implements it)."""
+
+    def acquire(self, nbytes: int) -> int | None: ...
+
+    def view(self, slot: int, f: "Field") -> np.ndarray: ...
+
+    def publish(self, slot: int, fields: "Layout") -> list[Any]: ...
+
+    def abandon(self, slot: int) -> None: ...
 # default_collate_fn_map's keys of numeric leaves (the rest: str, bytes, and what users register)
 _NUMERIC = (torch.Tensor, np.ndarray, (np.bool_, np.number, np.object_), float, int)
 _PY_SCALARS = {int: np.dtype(np.int64), float: np.dtype(np.float64), bool: np.dtype(np.bool_)}

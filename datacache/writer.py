@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 import readers
 from readers import codec
 
-from . import __version__
+from ._version import __version__
 from .config import parse_size
 from .errors import DatacacheError, DatasetExistsError
 from .hashing import hash_file

@@ -1,0 +1,2 @@
+"""The package version (its own module, so modules below the package can use it)."""
+__version__ = "0.1.0"
