@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
@@ -20,7 +19,7 @@ from typing import Any
 
 from . import __version__
 from ._cli_cmds import COMMANDS, Ctx, UsageError
-from .config import CacheConfig, parse_size
+from .config import ENV_VARS, POLICIES, CacheConfig, cache_settings, parse_size
 from .errors import DatacacheError
 from .plan import DEFAULT_WINDOW
 
@@ -29,42 +28,17 @@ __all__ = ["main", "build_parser", "config_from_env", "cache_config_from", "stor
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_DATA, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
-# CacheConfig field -> environment variable. Flags override these; these override the defaults.
-ENV_VARS: dict[str, str] = {
-    "ram_bytes": "DATACACHE_RAM_BYTES",
-    "ssd_bytes": "DATACACHE_SSD_BYTES",
-    "ram_dir": "DATACACHE_RAM_DIR",
-    "ssd_dir": "DATACACHE_SSD_DIR",
-    "policy": "DATACACHE_POLICY",
-}
-_POLICIES = ("auto", "lru", "clairvoyant")
-
-
 def config_from_env(overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> CacheConfig:
-    """A ``CacheConfig`` from ``DATACACHE_*`` environment variables, with ``overrides`` (non-None
-    values, e.g. command-line flags) on top; anything unset keeps the ``CacheConfig`` default.
+    """A ``CacheConfig`` from ``overrides`` (non-None values, e.g. command-line flags), then the
+    ``DATACACHE_*`` variables of ``env`` (default ``os.environ``), then the defaults: the resolution
+    of :func:`datacache.config.cache_settings`, which a default ``CacheConfig()`` uses too.
 
-    Raises ``UsageError`` (a ``ValueError``) naming the variable or setting that is invalid.
+    Raises ``UsageError`` (a ``ValueError``) naming the flag or variable that is invalid.
     """
-    env = os.environ if env is None else env
-    kw: dict[str, Any] = {}
-    source: dict[str, str] = {}
-    for name, var in ENV_VARS.items():
-        value = env.get(var)
-        if value not in (None, ""):
-            kw[name], source[name] = value, f"environment variable {var}"
-    for name, value in (overrides or {}).items():
-        if value is not None:
-            kw[name], source[name] = value, f"--{name.replace('_', '-')}"
-    for name in ("ram_bytes", "ssd_bytes"):
-        if name in kw:
-            try:
-                kw[name] = parse_size(kw[name])
-            except ValueError as exc:
-                raise UsageError(f"{source[name]}: {exc}") from None
-    if "policy" in kw and kw["policy"] not in _POLICIES:
-        raise UsageError(f"{source['policy']}: policy must be one of {', '.join(_POLICIES)}, not {kw['policy']!r}")
-    return CacheConfig(**kw)
+    try:
+        return CacheConfig(**cache_settings(overrides, env, label=lambda name: f"--{name.replace('_', '-')}"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def cache_config_from(args: argparse.Namespace) -> CacheConfig:
@@ -257,7 +231,7 @@ def _add_global_options(p: argparse.ArgumentParser, top: bool) -> None:
                    help="RAM tier directory (env DATACACHE_RAM_DIR, default /dev/shm/datacache-$USER)")
     g.add_argument("--ssd-dir", metavar="DIR", default=d(None),
                    help="SSD tier directory (env DATACACHE_SSD_DIR, default ~/.cache/datacache)")
-    g.add_argument("--policy", choices=_POLICIES, default=d(None),
+    g.add_argument("--policy", choices=POLICIES, default=d(None),
                    help="eviction policy (env DATACACHE_POLICY, default auto)")
     g.add_argument("--storage-options", metavar="JSON", default=d(None),
                    help="fsspec storage options as a JSON object, or @file.json")

@@ -8,10 +8,12 @@ from __future__ import annotations
 import getpass
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["parse_size", "format_size", "RetryConfig", "TransferConfig", "CacheConfig", "PrefetchConfig"]
+__all__ = ["parse_size", "format_size", "RetryConfig", "TransferConfig", "CacheConfig", "PrefetchConfig",
+           "ENV_VARS", "cache_settings"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -97,6 +99,57 @@ def default_ssd_dir() -> str:
     return os.path.join(base, "datacache")
 
 
+# CacheConfig field -> environment variable: explicit arguments (or CLI flags) override these, these
+# override the defaults. The library and the CLI resolve them here, so both use the same cache.
+ENV_VARS: dict[str, str] = {
+    "ram_bytes": "DATACACHE_RAM_BYTES",
+    "ssd_bytes": "DATACACHE_SSD_BYTES",
+    "ram_dir": "DATACACHE_RAM_DIR",
+    "ssd_dir": "DATACACHE_SSD_DIR",
+    "policy": "DATACACHE_POLICY",
+}
+_DEFAULTS: dict[str, Callable[[], Any]] = {
+    "ram_bytes": lambda: "4GB", "ssd_bytes": lambda: "64GB", "ram_dir": default_ram_dir,
+    "ssd_dir": default_ssd_dir, "policy": lambda: "auto",
+}
+POLICIES = ("auto", "lru", "clairvoyant")
+
+
+def _checked(name: str, value: Any, source: str) -> Any:
+    """``value`` of CacheConfig field ``name`` parsed and validated; errors name ``source``."""
+    try:
+        if name in ("ram_bytes", "ssd_bytes"):
+            return parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    if name == "policy" and value not in POLICIES:
+        raise ValueError(f"{source}: policy must be one of {', '.join(POLICIES)}, not {value!r}")
+    return value
+
+
+def _setting(name: str, override: Any, env: Mapping[str, str], label: Callable[[str], str]) -> Any:
+    var = ENV_VARS[name]
+    if override is not None:
+        return _checked(name, override, label(name))
+    if env.get(var) not in (None, ""):
+        return _checked(name, env[var], f"environment variable {var}")
+    return _DEFAULTS[name]()
+
+
+def cache_settings(overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+                   label: Callable[[str], str] = lambda name: name) -> dict[str, Any]:
+    """The tier settings of a ``CacheConfig``: ``overrides`` (non-None values: arguments, or CLI flags
+    named by ``label``), then the ``DATACACHE_*`` variables of ``env`` (default ``os.environ``), then
+    the defaults. Raises ``ValueError`` naming the argument or variable that is invalid."""
+    env = os.environ if env is None else env
+    return {name: _setting(name, (overrides or {}).get(name), env, label) for name in ENV_VARS}
+
+
+def _from_env(name: str) -> Callable[[], Any]:
+    """A default factory: the field's environment variable (validated) when set, else its default."""
+    return lambda: _setting(name, None, os.environ, str)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     """The node-local cache: a RAM tier then an SSD tier, both directory-backed and shared by every
@@ -106,17 +159,21 @@ class CacheConfig:
       to what the directory's filesystem has free (with one warning).
     - ``ram_dir`` / ``ssd_dir``: tier directories (default ``/dev/shm/datacache-$USER`` and
       ``~/.cache/datacache``); created with mode 0700 and refused if owned by another user.
+    - A tier setting or ``policy`` not passed comes from its ``DATACACHE_*`` environment variable
+      (``ENV_VARS``), read when the config is made, else from the default: the same resolution as
+      the ``datacache`` command line, so ``datacache warm`` and a default ``CacheConfig()`` in the
+      same environment use the same cache.
     - ``policy``: ``"auto"`` (clairvoyant when the future access order is known, else LRU),
       ``"lru"`` or ``"clairvoyant"`` (Belady's MIN).
     - ``verify``: ``"first"`` hashes an entry when it is written and the first time it is served
       after a restart; ``"always"`` hashes it on every serve.
     """
 
-    ram_bytes: int | str = "4GB"
-    ssd_bytes: int | str = "64GB"
-    ram_dir: str = field(default_factory=default_ram_dir)
-    ssd_dir: str = field(default_factory=default_ssd_dir)
-    policy: Literal["auto", "lru", "clairvoyant"] = "auto"
+    ram_bytes: int | str = field(default_factory=_from_env("ram_bytes"))
+    ssd_bytes: int | str = field(default_factory=_from_env("ssd_bytes"))
+    ram_dir: str = field(default_factory=_from_env("ram_dir"))
+    ssd_dir: str = field(default_factory=_from_env("ssd_dir"))
+    policy: Literal["auto", "lru", "clairvoyant"] = field(default_factory=_from_env("policy"))
     verify: Literal["first", "always"] = "first"
 
     def __post_init__(self) -> None:
@@ -124,7 +181,7 @@ class CacheConfig:
         object.__setattr__(self, "ssd_bytes", parse_size(self.ssd_bytes))
         object.__setattr__(self, "ram_dir", os.path.abspath(os.path.expanduser(self.ram_dir)))
         object.__setattr__(self, "ssd_dir", os.path.abspath(os.path.expanduser(self.ssd_dir)))
-        if self.policy not in ("auto", "lru", "clairvoyant"):
+        if self.policy not in POLICIES:
             raise ValueError(f"CacheConfig.policy must be 'auto', 'lru' or 'clairvoyant', not {self.policy!r}")
         if self.verify not in ("first", "always"):
             raise ValueError(f"CacheConfig.verify must be 'first' or 'always', not {self.verify!r}")
