@@ -16,7 +16,7 @@ from contextlib import closing
 from typing import Any
 
 from .cache import NodeCache
-from .config import format_size
+from .config import CacheConfig, format_size
 from .errors import IntegrityError, NotFoundError
 from .hashing import Hasher
 from .manifest import Manifest, ShardInfo, load_manifest
@@ -205,7 +205,10 @@ def cmd_verify(ctx: Ctx) -> int:
 def cmd_clear(ctx: Ctx) -> int:
     a = ctx.args
     tiers = tuple(t for t, on in (("ram", a.ram), ("ssd", a.ssd)) if on) or ("ram", "ssd")
-    with NodeCache(ctx.cache_config()) as cache:
+    config = ctx.cache_config()
+    with NodeCache(config) as cache:
+        if a.dataset is not None:
+            _check_cached_dataset(a.dataset, cache, config)
         removed = cache.clear(tiers=tiers, dataset=a.dataset)
         left = sum(1 for key, e in cache.entries() for t in e.tiers
                    if t in tiers and (a.dataset is None or key.startswith(a.dataset + "/")))
@@ -217,6 +220,16 @@ def cmd_clear(ctx: Ctx) -> int:
     ctx.emit({"removed": removed, "kept_in_use": left, "tiers": list(tiers), "dataset": a.dataset,
               "used_ram": s["used_ram"], "used_ssd": s["used_ssd"]}, lines)
     return 0
+
+
+def _check_cached_dataset(dataset: str, cache: NodeCache, config: CacheConfig) -> None:
+    """UsageError naming ``dataset`` when the cache holds no entry of it (a typo, or another cache)."""
+    known = sorted({key.split("/", 1)[0] for key, _ in cache.entries()})
+    if dataset in known:
+        return
+    listed = ", ".join(known[:3]) + (", ..." if len(known) > 3 else "") if known else "none"
+    raise UsageError(f"--dataset {dataset}: no such dataset in the cache at {config.ram_dir} and {config.ssd_dir} "
+                     f"(cached: {listed}); `datacache stat` lists the cached dataset ids")
 
 
 COMMANDS: dict[str, Callable[[Ctx], int]] = {

@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import atexit
 import glob
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,7 +35,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["SeaweedServer", "find_weed", "free_ports"]
+__all__ = ["SeaweedServer", "find_weed", "free_ports", "check_bucket_name"]
 
 DEFAULT_KEY = "datacache-test-key"
 DEFAULT_SECRET = "datacache-test-secret"
@@ -49,6 +51,29 @@ _PORT_FLAGS = (
 )
 # Ports that are disabled rather than allocated (0 disables them).
 _DISABLED_PORTS = ("s3.port.iceberg", "s3.port.lance")
+
+
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def check_bucket_name(name: str) -> str:
+    """``name`` if it follows the S3 bucket naming rules, else ValueError saying which one it breaks:
+    3-63 characters of lowercase letters, digits, dots and hyphens, starting and ending with a letter
+    or digit, no two adjacent dots, not an IP address, no reserved prefix or suffix."""
+    rule = None
+    if not 3 <= len(name) <= 63:
+        rule = f"is {len(name)} characters long; bucket names have 3 to 63"
+    elif not _BUCKET_RE.fullmatch(name):
+        rule = "may hold only lowercase letters, digits, dots and hyphens, and must start and end with a letter or digit"
+    elif ".." in name:
+        rule = "has two adjacent dots"
+    elif re.fullmatch(r"\d+\.\d+\.\d+\.\d+", name):
+        rule = "looks like an IP address"
+    elif name.startswith(("xn--", "sthree-")) or name.endswith(("-s3alias", "--ol-s3")):
+        rule = "uses a prefix or suffix S3 reserves (xn--, sthree-, -s3alias, --ol-s3)"
+    if rule:
+        raise ValueError(f"bucket name {name!r} {rule} (S3 bucket naming rules); choose another, e.g. datacache-test")
+    return name
 
 
 def find_weed() -> str:
@@ -97,7 +122,7 @@ class SeaweedServer:
         binary: str | None = None,
         data_dir: str | None = None,
     ) -> None:
-        self.bucket = bucket
+        self.bucket = check_bucket_name(bucket)
         self.data_dir = os.path.abspath(data_dir) if data_dir else None
         self.access_key = access_key
         self.secret_key = secret_key
@@ -278,19 +303,36 @@ class SeaweedServer:
             atexit.unregister(self.stop)
 
 
+def _bucket_arg(text: str) -> str:
+    try:
+        return check_bucket_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _print_settings(srv: SeaweedServer, custom_secret: bool) -> None:
+    """What a client needs, defaults included (a secret given on the command line is not echoed)."""
+    secret = "<your --secret>" if custom_secret else srv.secret_key
+    opts = {**srv.storage_options(), "secret": secret}
+    print(f"S3 endpoint: {srv.endpoint_url}  bucket: {srv.bucket}", flush=True)
+    print(f"  access key: {srv.access_key}  secret key: {secret}", flush=True)
+    print(f"  export AWS_ENDPOINT_URL={srv.endpoint_url} AWS_ACCESS_KEY_ID={srv.access_key} "
+          f"AWS_SECRET_ACCESS_KEY={secret} AWS_DEFAULT_REGION=us-east-1", flush=True)
+    print(f"  storage_options={json.dumps(opts)}", flush=True)
+    print(f"  log: {srv.log_path}   (Ctrl-C to stop)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.s3server", description=__doc__.split("\n")[0])
-    parser.add_argument("--bucket", default="datacache-test", help="bucket to create (default: %(default)s)")
-    parser.add_argument("--key", default=DEFAULT_KEY, help="access key the server accepts")
-    parser.add_argument("--secret", default=DEFAULT_SECRET, help="secret key the server accepts")
+    parser.add_argument("--bucket", default="datacache-test", type=_bucket_arg,
+                        help="bucket to create, following the S3 naming rules (default: %(default)s)")
+    parser.add_argument("--key", default=DEFAULT_KEY, help="access key the server accepts (default: %(default)s)")
+    parser.add_argument("--secret", default=DEFAULT_SECRET, help="secret key the server accepts (default: %(default)s)")
     args = parser.parse_args(argv)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with SeaweedServer(args.bucket, access_key=args.key, secret_key=args.secret) as srv:
-        print(f"S3 endpoint: {srv.endpoint_url}  bucket: {srv.bucket}", flush=True)
-        print(f"  export AWS_ENDPOINT_URL={srv.endpoint_url} AWS_ACCESS_KEY_ID={srv.access_key} "
-              f"AWS_SECRET_ACCESS_KEY=<the --secret value>", flush=True)
-        print(f"  log: {srv.log_path}   (Ctrl-C to stop)", flush=True)
+        _print_settings(srv, custom_secret=args.secret != DEFAULT_SECRET)
         try:
             while not stop.wait(0.5):
                 if srv._proc is None or srv._proc.poll() is not None:
