@@ -156,7 +156,7 @@ def _verify_remote(ctx: Ctx, store: Store, manifest: Manifest, mismatches: list[
             return
         problem = None
         try:
-            path, digest = _download(store, info.name, info.bytes, tmpdir, on_bytes)
+            path, digest = _download(store, info.name, info.bytes, tmpdir, on_bytes, stop.is_set)
             os.unlink(path)
             if digest != info.hash:
                 problem = f"content hash {digest} != manifest {info.hash}"

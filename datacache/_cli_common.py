@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,7 +140,9 @@ def _run_pool(items: Sequence[Any], fn: Callable[[Any], None], threads: int, sto
               name: str) -> None:
     """``fn(item)`` for every item on a thread pool, started in order. The first error (or Ctrl-C in
     the main thread) sets ``stop``, cancels what has not started, waits for the running tasks (which
-    watch ``stop`` and abandon their transfer within one part) and is re-raised."""
+    pass ``stop.is_set`` as their transfers' ``cancelled``, so GETs in flight are abandoned at once)
+    and is re-raised. A second Ctrl-C during that short wait is ignored, so the wait (which removes
+    partial files) completes."""
     if not items:
         return
     pool = ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix=name)
@@ -147,13 +151,27 @@ def _run_pool(items: Sequence[Any], fn: Callable[[Any], None], threads: int, sto
         futures = [pool.submit(fn, item) for item in items]
         for f in as_completed(futures):
             f.result()
-    except BaseException:
+    except BaseException as exc:
         stop.set()
+        with _sigint_ignored(isinstance(exc, KeyboardInterrupt)):
+            for f in futures:
+                f.cancel()
+            pool.shutdown(wait=True)
         raise
+    pool.shutdown(wait=True)
+
+
+@contextmanager
+def _sigint_ignored(ignore: bool) -> Iterator[None]:
+    """SIGINT ignored inside (main thread only): Ctrl-C again while stopping changes nothing."""
+    if not ignore or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
     finally:
-        for f in futures:
-            f.cancel()
-        pool.shutdown(wait=True)
+        signal.signal(signal.SIGINT, previous)
 
 
 def _watch(stop: threading.Event, progress: _Progress | None) -> Callable[[int], None]:
@@ -165,12 +183,14 @@ def _watch(stop: threading.Event, progress: _Progress | None) -> Callable[[int],
     return on_bytes
 
 
-def _download(store: Store, name: str, size: int, tmpdir: str, on_bytes: Callable[[int], None]) -> tuple[str, str]:
-    """Read object ``name`` into a temporary file under ``tmpdir``; returns (path, content hash)."""
+def _download(store: Store, name: str, size: int, tmpdir: str, on_bytes: Callable[[int], None],
+              cancelled: Callable[[], bool] | None = None) -> tuple[str, str]:
+    """Read object ``name`` into a temporary file under ``tmpdir``; returns (path, content hash).
+    ``cancelled()`` true abandons the transfer at once (see ``Store.read_into``)."""
     fd, path = tempfile.mkstemp(dir=tmpdir, prefix=".dl-")
     os.close(fd)
     try:
-        store.read_into(name, path, size=size, on_bytes=on_bytes)
+        store.read_into(name, path, size=size, on_bytes=on_bytes, cancelled=cancelled)
         return path, hash_file(path)
     except BaseException:
         os.unlink(path)

@@ -116,7 +116,7 @@ def cmd_index(ctx: Ctx) -> int:
             if stop.is_set():
                 return
             name, size = item
-            path, h = _download(store, name, size, tmpdir, on_bytes)
+            path, h = _download(store, name, size, tmpdir, on_bytes, stop.is_set)
             try:
                 if name not in counts:  # the probe could not tell: count in the local copy
                     counts[name] = _local_count(fmt, path, store.url_of(name))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 import threading
 import time
 from contextlib import closing
@@ -177,7 +176,8 @@ def _fill(ctx: Ctx, source: ShardSource, sel: _Selection) -> _WarmTally:
         if stop.is_set():
             return
         fetched: list[bool] = []
-        with source.fetch(shard, into=into, on_bytes=on_bytes, on_fetch=lambda: fetched.append(True)) as handle:
+        with source.fetch(shard, into=into, on_bytes=on_bytes, on_fetch=lambda: fetched.append(True),
+                          cancelled=stop.is_set) as handle:
             tier = handle.tier
         size = sel.size_of[shard]
         with tally.lock:
@@ -202,11 +202,9 @@ def _fill(ctx: Ctx, source: ShardSource, sel: _Selection) -> _WarmTally:
             tally.not_admitted = []
             progress.grow(sum(sel.size_of[s] for s in retry), len(retry))
             _run_pool(retry + sel.ssd, lambda s: one(s, "ssd"), a.threads, stop, "datacache-warm")
-    except KeyboardInterrupt:
-        progress.close()
-        print(f"datacache: interrupted after fetching {tally.fetched} shards "
-              f"({format_size(tally.fetched_bytes)}); the cache is consistent", file=sys.stderr)
-        raise
+    except KeyboardInterrupt:  # reported once, by cli.main, with this detail
+        raise KeyboardInterrupt(f"after fetching {tally.fetched} shards ({format_size(tally.fetched_bytes)}); "
+                                "the cache is consistent") from None
     finally:
         progress.close()
         source.cache.flush_stats()

@@ -10,6 +10,7 @@ shuffled order while at most ``window`` runs are open. Not thread-safe: one cons
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from .eviction import Schedule
 from .plan import ConsumerPlan
 from .prefetch import Prefetcher
 from .shards import ShardSource
+from ._worker import parent_gone
 
 __all__ = ["Consumer"]
 
@@ -43,6 +45,7 @@ class Consumer:
         self.epoch, self.skip = epoch, skip
         self.on_error = on_error
         self.schedule = schedule
+        self._stop = threading.Event()  # set by close(): transfers in flight are abandoned
         n_runs = len(plan.runs)
         # Runs that still have samples to read (all of them unless resuming mid-epoch).
         self.needed = sorted(set(plan.run_of[skip:].tolist())) if skip and plan.run_of is not None \
@@ -63,7 +66,8 @@ class Consumer:
     def _load(self, item: tuple[int, int]) -> CacheHandle:
         """Get (position in the plan, shard) into the cache; earlier positions get the link first."""
         position, shard = item
-        return self.source.fetch(shard, priority=position, use_at=self.run_times[self.needed[position]])
+        return self.source.fetch(shard, priority=position, use_at=self.run_times[self.needed[position]],
+                                 cancelled=self._cancelled)
 
     def _decode(self, run: int) -> "_Run":
         """Runs on the decode thread: pin the run's shard (waiting on stage 1) and read its range."""
@@ -134,9 +138,17 @@ class Consumer:
         """Seconds the consumer waited for data (network and decoding) in this epoch."""
         return self.decoder.wait_seconds
 
+    def _cancelled(self) -> bool:
+        """Stop fetching: the consumer was closed (Ctrl-C, end of iteration) or, in a DataLoader
+        worker, the training process died. Polled by transfers in flight; thread-safe."""
+        return self._stop.is_set() or parent_gone()
+
     def close(self) -> None:
-        self.decoder.close()
+        """Abandon transfers in flight (their temp files are removed), then stop both stages: the
+        prefetcher first, which wakes the decode thread waiting on it. Idempotent."""
+        self._stop.set()
         self.prefetcher.close()
+        self.decoder.close()
 
 
 _DECODE_AHEAD = 2  # runs decoded ahead of the one being consumed

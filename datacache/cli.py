@@ -354,9 +354,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctx = Ctx(args=args, json=args.json, quiet=args.quiet, debug=args.debug,
                   cache_config=lambda: cache_config_from(args), storage_options=storage_options_from(args))
         return int(COMMANDS[args.command](ctx) or 0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # one line; a subcommand may say where it stopped
         _traceback(args.debug)
-        print("datacache: interrupted", file=sys.stderr)
+        detail = _one_line(exc) if str(exc) else ""
+        print(f"datacache: interrupted{' ' + detail if detail else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except UsageError as exc:
         _traceback(args.debug)

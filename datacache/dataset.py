@@ -40,6 +40,7 @@ from .prefetch import Prefetcher
 from .resume import ResumeState, common_state, rank_state, resume_plan, start_state
 from .shards import ShardSource, tell_plan
 from .storage import Store
+from ._worker import die_with_parent
 
 __all__ = ["StreamingDataset"]
 
@@ -202,6 +203,8 @@ class StreamingDataset(tud.IterableDataset):
         self._worker = (worker_id, num_workers)
         self._in_workers.fill_(int(info is not None))
         self._check_loader(sys._getframe().f_back)
+        if info is not None:  # a DataLoader worker: stop downloading the moment the training process dies
+            die_with_parent()
         if self._resume is not None and self._resume.epoch != self.epoch:
             self._resume = None  # set_epoch moved on (seen here only through the shared epoch)
         spec = self._spec(num_workers, worker_id)
@@ -259,6 +262,7 @@ class StreamingDataset(tud.IterableDataset):
                 self._delivered = item[1]
                 yield item[0]
         finally:
+            consumer.close()  # first: wakes the batcher thread if it waits on the consumer (Ctrl-C)
             batcher.close()
         self._flush_stats(consumer)
 

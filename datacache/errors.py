@@ -7,6 +7,7 @@ Every error names the URL or path it concerns, says what was expected, and what 
     |   +-- TransientStorageError   5xx, throttling, resets, timeouts: retries were exhausted
     |   +-- NotFoundError           404, no such bucket or key (also a FileNotFoundError)
     |   +-- PermissionDeniedError   403, missing or wrong credentials (also a PermissionError)
+    |   +-- ReadCancelledError      a read its caller abandoned (Ctrl-C, closed prefetcher): not retried
     +-- ManifestError               manifest.json missing, truncated, invalid, or naming unsafe shards
     +-- IntegrityError              bytes do not match the size or hash the manifest declares
     +-- ReaderError                 a local shard file cannot be parsed by its reader (wrong format,
@@ -34,6 +35,7 @@ __all__ = [
     "TransientStorageError",
     "NotFoundError",
     "PermissionDeniedError",
+    "ReadCancelledError",
     "ManifestError",
     "IntegrityError",
     "ReaderError",
@@ -68,6 +70,10 @@ class NotFoundError(StorageError, FileNotFoundError):
 
 class PermissionDeniedError(StorageError, PermissionError):
     """The store refused access: missing or wrong credentials, or no permission."""
+
+
+class ReadCancelledError(StorageError):
+    """A read abandoned because its caller cancelled it (Ctrl-C, a closed prefetcher, a dead parent)."""
 
 
 class ManifestError(DatacacheError):

@@ -87,20 +87,21 @@ class ShardSource:
     # ------------------------------------------------------------------ fetch
     def fetch(self, shard: int, *, priority: float | None = None, use_at: float | None = None,
               into: str | None = None, on_bytes: Callable[[int], None] | None = None,
-              on_fetch: Callable[[], None] | None = None) -> CacheHandle:
+              on_fetch: Callable[[], None] | None = None, cancelled: Callable[[], bool] | None = None) -> CacheHandle:
         """Shard number ``shard``, pinned in the node cache, downloaded on a miss.
 
         ``priority``: lower is sooner, for the store's request slots (the plan position);
         ``use_at``: the schedule time of the read this fetch serves (admission by next use);
         ``into``: fill a miss into this tier only (see ``NodeCache.get``); ``on_bytes(n)``: called
-        as bytes arrive; ``on_fetch()``: called when this call downloads (a miss it serves).
+        as bytes arrive; ``on_fetch()``: called when this call downloads (a miss it serves);
+        ``cancelled()``: true abandons the download at once (``ReadCancelledError``, nothing cached).
         """
         info = self.manifest.shards[shard]
 
         def download(path: str) -> None:
             if on_fetch is not None:
                 on_fetch()
-            kw: dict[str, Any] = {"size": info.bytes}
+            kw: dict[str, Any] = {"size": info.bytes, "cancelled": cancelled}
             if priority is not None:
                 kw["priority"] = priority
             if on_bytes is not None:

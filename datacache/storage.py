@@ -10,6 +10,12 @@ store's thread pool (threads named
 ``datacache-io-N``, 4 x concurrency of them, at most 64, shared by concurrent calls); ``read_into``
 writes each part at its offset with ``os.pwrite`` so a shard never has to be held in memory.
 
+Cancellation: ``read_into(..., cancelled=f)`` abandons the read as soon as ``f()`` is true (Ctrl-C in
+the CLI, a closed prefetcher, a DataLoader worker whose parent died): on async filesystems (s3fs) a
+ranged GET in flight is cancelled on fsspec's event loop (its connection is dropped) within
+50 ms (``_cancel``), parts not started are not started, and ``ReadCancelledError`` is raised.
+A part that fails also cancels its siblings that way.
+
 Reliability: every backend call goes through one bounded retry policy (:mod:`datacache._retry`,
 ``RetryConfig``: attempts AND deadline, exponential backoff with full jitter). s3fs's and botocore's
 own retries are switched off (``S3FileSystem.retries = 1`` and botocore ``total_max_attempts=1``; s3fs still
@@ -43,6 +49,7 @@ from typing import Any, Callable
 import fsspec
 from fsspec.core import split_protocol
 
+from ._cancel import cat_range
 from ._slots import PrioritySlots
 from ._retry import ShortReadError, check_name as _check_name, error_code, retry_call, secret_values
 from .config import RetryConfig, TransferConfig
@@ -324,11 +331,13 @@ class Store:
         return bytes(buf)
 
     def read_into(self, name: str, path: str, *, size: int | None = None,
-                  on_bytes: Callable[[int], None] | None = None, priority: float = 0.0) -> int:
+                  on_bytes: Callable[[int], None] | None = None, priority: float = 0.0,
+                  cancelled: Callable[[], bool] | None = None) -> int:
         """Read the whole object into the existing local file ``path`` (each part written at its
         offset with ``os.pwrite``, so memory stays ~part_bytes x concurrency); returns the byte count.
         ``on_bytes(n)`` is called (from I/O threads) after each part is written. Lower ``priority``
-        values get request slots first (the prefetcher passes each shard's position in its plan)."""
+        values get request slots first (the prefetcher passes each shard's position in its plan).
+        ``cancelled()`` (thread-safe, cheap) true abandons the read at once: ReadCancelledError."""
         size = self.size(name) if size is None else size
         fd = os.open(path, os.O_WRONLY)
         try:
@@ -339,7 +348,7 @@ class Store:
                     view, off = view[n:], off + n
                 if on_bytes is not None:
                     on_bytes(len(data))
-            self._read_parts(name, size, sink, priority)
+            self._read_parts(name, size, sink, priority, cancelled)
         finally:
             os.close(fd)
         return size
@@ -410,7 +419,7 @@ class Store:
         def get(fs: Any, path: str) -> bytes:
             with self._requests.hold(priority):  # the part needed soonest goes first
                 try:
-                    data = fs.cat_file(path, start=start, end=end + extra)
+                    data = cat_range(fs, path, start, end + extra, cancelled, self.url_of(name))
                 except Exception as exc:
                     if error_code(exc) != "InvalidRange":
                         raise
@@ -431,7 +440,8 @@ class Store:
         self._bump("bytes_read", len(data))
         return data
 
-    def _read_parts(self, name: str, size: int, sink: Callable[[int, bytes], None], priority: float = 0.0) -> None:
+    def _read_parts(self, name: str, size: int, sink: Callable[[int, bytes], None], priority: float = 0.0,
+                    cancelled: Callable[[], bool] | None = None) -> None:
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
         started = time.monotonic()
@@ -445,11 +455,12 @@ class Store:
         parts = [(off, min(off + step, size)) for off in range(0, size, step)]
         _, pool = self._ensure()
         failed = threading.Event()
+        stop = failed.is_set if cancelled is None else (lambda: failed.is_set() or cancelled())
 
         def one(start: int, end: int) -> None:
             if failed.is_set():
                 return
-            sink(start, self._read_part(name, start, end, size, started, failed.is_set, priority))
+            sink(start, self._read_part(name, start, end, size, started, stop, priority))
 
         if len(parts) == 1 or threading.current_thread().name.startswith("datacache-io-"):
             for start, end in parts:  # small object, or called from an I/O thread: no nesting

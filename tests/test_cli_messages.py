@@ -89,8 +89,10 @@ def test_s3server_prints_the_defaults_a_client_needs(tmp_path: Path) -> None:
         while not out or "log:" not in out[-1]:
             out.append(lines.get(timeout=90))  # hang guard: the server starts in seconds
         text = "".join(out)
-        assert DEFAULT_KEY in text and DEFAULT_SECRET in text and "http://127.0.0.1:" in text
-        opts = json.loads(next(ln for ln in out if "storage_options=" in ln).split("storage_options=", 1)[1])
+        assert DEFAULT_KEY in text and DEFAULT_SECRET in text and "http://127.0.0.1:" in text, text
+        line = lines.get(timeout=30)
+        assert "storage_options=" in line, line
+        opts = json.loads(line.split("storage_options=", 1)[1])
         store = open_store(f"s3://{bucket}/x/", opts)  # the printed options reach the server
         store.write_bytes("hello", b"hi")
         assert store.read_bytes("hello") == b"hi"

@@ -315,11 +315,10 @@ def _print_settings(srv: SeaweedServer, custom_secret: bool) -> None:
     secret = "<your --secret>" if custom_secret else srv.secret_key
     opts = {**srv.storage_options(), "secret": secret}
     print(f"S3 endpoint: {srv.endpoint_url}  bucket: {srv.bucket}", flush=True)
-    print(f"  access key: {srv.access_key}  secret key: {secret}", flush=True)
     print(f"  export AWS_ENDPOINT_URL={srv.endpoint_url} AWS_ACCESS_KEY_ID={srv.access_key} "
           f"AWS_SECRET_ACCESS_KEY={secret} AWS_DEFAULT_REGION=us-east-1", flush=True)
-    print(f"  storage_options={json.dumps(opts)}", flush=True)
     print(f"  log: {srv.log_path}   (Ctrl-C to stop)", flush=True)
+    print(f"  storage_options={json.dumps(opts)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
