@@ -165,9 +165,12 @@ def test_workers_of_a_killed_training_process_stop_downloading(s3_server: Any, s
             "cache": H.cache_kw(tmp_path, ram="8MB")}
     proc = subprocess.Popen([sys.executable, "-c", _LOADER, json.dumps(spec)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
     try:
         assert proc.stdout is not None
-        pids = json.loads(proc.stdout.readline() or "null") or proc.communicate()
+        line = proc.stdout.readline()
+        assert line.startswith("["), proc.communicate()
+        pids = json.loads(line)
         assert proc.stdout.readline().strip() == "4", proc.communicate()  # the first batch came
         H.wait_for(lambda: _bytes_down(link) > 256 * KB, 60, "the workers to be downloading")
         t0 = time.monotonic()
@@ -177,12 +180,12 @@ def test_workers_of_a_killed_training_process_stop_downloading(s3_server: Any, s
         seconds = time.monotonic() - t0
     finally:
         proc.kill()
-        proc.communicate()
-        for pid in pids if isinstance(pids, list) else []:
+        for pid in pids:  # whatever still runs (the workers hold the output pipe open)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        proc.communicate(timeout=60)
     after = _bytes_down(link) - b0
     print(f"\nworkers gone {seconds:.2f} s after the training process; {after} B came after SIGKILL")
     # Bytes already on their way when the kill came: at most a few 64 KB proxy chunks, not the
