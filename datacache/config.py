@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = ["parse_size", "format_size", "RetryConfig", "TransferConfig", "CacheConfig", "PrefetchConfig",
-           "ENV_VARS", "cache_settings"]
+           "ENV_VARS", "POLICIES", "cache_settings"]
 
 _UNITS = {
     "": 1, "b": 1,
