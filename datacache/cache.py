@@ -425,6 +425,12 @@ class NodeCache:
         self.index.close()
         self._node.close()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its config: a process started with spawn or forkserver (e.g. a DataLoader
+        worker) opens the same node cache, as a new process on the node does (the eviction policy
+        is the dataset's to install there)."""
+        return (NodeCache, (self.config,))
+
     def __enter__(self) -> "NodeCache":
         return self
 
