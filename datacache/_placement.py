@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .eviction import EvictionPolicy
+from .eviction import INF, EvictionPolicy
 from .index import Entry, Index
 from .tiers import BUSY, GONE, KeyLock, Tier, key_id, lock_nonblocking, remove_if_exists, unlock_close
 
@@ -67,6 +67,15 @@ def _release(victims: list[Victim]) -> None:
             v.lock.release()
 
 
+def _score(policy: EvictionPolicy, tier: Tier, key: str, entry: Entry) -> float:
+    """``policy``'s score of ``key`` in ``tier``, except that the SSD copy of an entry RAM also holds
+    (left by a promotion) goes first: dropping it costs nothing now, and RAM demotes the entry again
+    when it evicts it. So the two tiers hold about RAM + SSD distinct bytes, not SSD bytes."""
+    if tier.name == "ssd" and "ram" in entry.tiers:
+        return INF
+    return policy.score(key, entry.atime)
+
+
 def make_room(index: Index, tier: Tier, key: str, nbytes: int, fname: str, digest: str, *,
               policy: EvictionPolicy, use_at: float | None, lock_dir: str, token: str,
               ssd: Tier) -> tuple[bool, list[Victim]]:
@@ -85,7 +94,7 @@ def make_room(index: Index, tier: Tier, key: str, nbytes: int, fname: str, diges
         old_rec = old.tiers.get(tier.name) if old else None
         need = txn.used(tier.name) + nbytes - (old.size if old_rec else 0) - tier.budget
         if need > 0:
-            cands = sorted(((policy.score(k, e.atime), k, e) for k, e in txn.items()
+            cands = sorted(((_score(policy, tier, k, e), k, e) for k, e in txn.items()
                             if k != key and tier.name in e.tiers), key=lambda c: c[0], reverse=True)
             incoming = policy.incoming_score(key, use_at)
             freed = 0

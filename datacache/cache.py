@@ -92,8 +92,11 @@ class NodeCache:
         return self._pass.path
 
     def set_policy(self, policy: EvictionPolicy) -> None:
-        """Swap the eviction policy (e.g. when a dataset learns its future access order)."""
-        self.policy = policy
+        """Swap the eviction policy (e.g. when a dataset learns its future access order); the old
+        one is closed."""
+        old, self.policy = self.policy, policy
+        if old is not policy:
+            old.close()
 
     # ------------------------------------------------------------------ lookups
     def get(self, key: str, fetch: Fetch, *, size: int | None = None, hash: str | None = None,
@@ -422,6 +425,7 @@ class NodeCache:
         if self._closed:
             return
         self._closed = True
+        self.policy.close()
         self.index.close()
         self._node.close()
 

@@ -9,6 +9,8 @@ A policy ranks entries by a *score*: the entry with the highest score is evicted
   entry it displaces is next used later than it is; a RAM victim is demoted to SSD only if it is
   used again within the schedule's horizon, and SSD admission applies the same test, so nothing is
   written to SSD that will not be reused within the budget's horizon.
+- ``nodepolicy.NodePolicy``: the same over the schedules of every dataset in use on the node (this
+  process's and the other processes' published ones); what ``shards.tell_plan`` installs.
 
 Bounds (D bytes read once per epoch through C < D bytes of cache): no policy hits more than C/D per
 epoch, so remote bytes >= D - C per epoch; MIN reaches it; LRU hits nothing for a fixed order and
@@ -22,7 +24,7 @@ import bisect
 import math
 import threading
 import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 __all__ = ["EvictionPolicy", "LRUPolicy", "ClairvoyantPolicy", "Schedule"]
 
@@ -57,6 +59,9 @@ class EvictionPolicy:
     def on_access(self, key: str) -> None:
         """Called on every ``get`` of ``key`` (before the lookup)."""
 
+    def close(self) -> None:
+        """Release what the policy holds (called by ``NodeCache.close`` and ``set_policy``)."""
+
 
 class LRUPolicy(EvictionPolicy):
     """Least recently used first; the future is unknown."""
@@ -75,7 +80,10 @@ class Schedule:
 
     Times are floats; a consumer at plan position ``i`` of ``n`` in epoch ``e`` is at time
     ``e + i / n``, so the plans of several consumers (ranks, workers) of one node interleave on one
-    clock. ``next_use(key)`` is the first time strictly after ``now``. Thread-safe.
+    clock. ``next_use(key)`` is the first time strictly after ``now``; ``distance(key)`` how far
+    that is from ``now`` (from the first read before the clock starts), which compares the
+    schedules of datasets at different epochs. ``on_advance(now)``, if set, is called after the
+    clock moves (outside the lock; e.g. to publish it). Thread-safe.
     """
 
     def __init__(self, times: Mapping[Hashable, Sequence[float]], now: float = -INF) -> None:
@@ -83,6 +91,8 @@ class Schedule:
         self._now = now
         self._at: Hashable | None = None  # the key whose read is at ``now`` (auto-advance)
         self._lock = threading.Lock()
+        self.start = min((ts[0] for ts in self._times.values() if ts), default=0.0)
+        self.on_advance: Callable[[float], None] | None = None
 
     @classmethod
     def from_sequence(cls, keys: Iterable[Hashable]) -> "Schedule":
@@ -108,11 +118,19 @@ class Schedule:
     def now(self) -> float:
         return self._now
 
+    @property
+    def times(self) -> Mapping[Hashable, Sequence[float]]:
+        """Every key's sorted read times (do not modify)."""
+        return self._times
+
     def advance(self, now: float) -> None:
         """Move the clock to ``now`` (never backwards)."""
         with self._lock:
-            if now > self._now:
+            moved = now > self._now
+            if moved:
                 self._now, self._at = now, None
+        if moved and self.on_advance is not None:
+            self.on_advance(now)
 
     def advance_to_next(self, key: Hashable) -> None:
         """Move the clock to the next read of ``key`` at or after ``now`` (one-sequence use); a read
@@ -123,14 +141,24 @@ class Schedule:
             i = bisect.bisect_left(ts, self._now)
             if i < len(ts) and ts[i] == self._now and self._at == key:
                 i += 1
-            if i < len(ts):
+            moved = i < len(ts)
+            if moved:
                 self._now, self._at = ts[i], key
+        if moved and self.on_advance is not None:
+            self.on_advance(self._now)
 
     def next_use(self, key: Hashable, after: float | None = None) -> float:
         """The first read of ``key`` strictly after ``now`` (or after ``after``, if later)."""
         ts = self._times.get(key, ())
         i = bisect.bisect_right(ts, self._now if after is None else max(after, self._now))
         return ts[i] if i < len(ts) else INF
+
+    def distance(self, key: Hashable, after: float | None = None) -> float:
+        """``next_use(key, after)`` minus ``now`` (or minus ``start`` before the clock starts)."""
+        now = self._now
+        ts = self._times.get(key, ())
+        i = bisect.bisect_right(ts, now if after is None else max(after, now))
+        return ts[i] - (now if now > -INF else self.start) if i < len(ts) else INF
 
     def knows(self, key: Hashable) -> bool:
         return key in self._times

@@ -26,8 +26,9 @@ from ._openshards import open_shards
 from .cache import CacheHandle, NodeCache
 from .config import CacheConfig, RetryConfig, TransferConfig
 from .errors import IntegrityError, NotFoundError, ReaderError
-from .eviction import ClairvoyantPolicy, Schedule
+from .eviction import Schedule
 from .manifest import Manifest, load_manifest
+from .nodepolicy import NodePolicy
 from .storage import Store, open_store
 
 __all__ = ["ShardSource", "tell_plan", "make_cache"]
@@ -40,12 +41,18 @@ def make_cache(cache: CacheConfig | NodeCache | None) -> NodeCache:
 
 
 def tell_plan(cache: NodeCache, schedule: Schedule | None) -> Schedule | None:
-    """Tell ``cache`` the node's future reads: with a clairvoyant cache (``policy`` other than
-    "lru") it evicts and admits by ``schedule``'s next uses. Returns the schedule in force (None
-    for an LRU cache, or when there is no schedule), which the reader then ``advance``s."""
+    """Tell ``cache`` the node's future reads of ``schedule``'s dataset: with a clairvoyant cache
+    (``policy`` other than "lru") it evicts and admits by the next uses of every dataset in use on
+    the node (``NodePolicy``: the schedules told in this process, one per dataset, and those other
+    processes published next to the cache). Returns the schedule in force (None for
+    an LRU cache, or when there is no schedule), which the reader then ``advance``s."""
     if schedule is None or cache.config.policy == "lru":
         return None
-    cache.set_policy(ClairvoyantPolicy(schedule))
+    policy = cache.policy
+    if not isinstance(policy, NodePolicy):
+        policy = NodePolicy.for_cache(cache)
+        cache.set_policy(policy)
+    policy.tell(schedule)
     return schedule
 
 

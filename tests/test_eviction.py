@@ -153,3 +153,22 @@ def test_ram_bypass_falls_through_to_ssd(tmp_path):
     # first pass: 6 misses, all cached (2 in RAM, 4 on SSD); second pass: 6 hits, no fetch
     assert st["misses"] == 6 and st["hits_ram"] + st["hits_ssd"] == 6, st
     assert "pass" not in tiers
+
+
+def test_ssd_drops_its_copy_of_a_ram_entry_first(tmp_path):
+    """An SSD hit promoted to RAM leaves a copy on SSD; when SSD needs room that copy goes before any
+    entry held only on SSD, so RAM + SSD hold RAM + SSD distinct entries: three keys through one RAM
+    and two SSD slots are each fetched once (with the copy kept, b's SSD copy was evicted and
+    fetched again)."""
+    from datacache import CacheConfig, ClairvoyantPolicy, NodeCache, Schedule
+    from datacache.hashing import hash_bytes
+
+    size, seq = 1000, list("ababcbac")
+    data = {k: (k * size).encode() for k in set(seq)}
+    cfg = CacheConfig(ram_bytes=size, ssd_bytes=2 * size, ram_dir=str(tmp_path / "ram"), ssd_dir=str(tmp_path / "ssd"))
+    with NodeCache(cfg, policy=ClairvoyantPolicy(Schedule.from_sequence(seq), auto_advance=True)) as cache:
+        for k in seq:
+            with cache.get(k, lambda p, k=k: open(p, "wb").write(data[k]), size=size, hash=hash_bytes(data[k])) as h:
+                assert h.read() == data[k]
+        st = cache.stats()
+    assert st["misses"] == 3 and st["promotions"] > 0, st

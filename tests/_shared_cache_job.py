@@ -1,0 +1,34 @@
+"""One training job for tests/test_shared_cache.py, run as its own process: read one dataset for
+some epochs through a node cache whose directories other jobs share.
+
+Usage: ``python _shared_cache_job.py URL RAM_DIR SSD_DIR RAM_BYTES EPOCHS STORAGE_OPTIONS_REPR``.
+Lock-step with the test: before each epoch the job prints ``ready`` and waits for a line on stdin
+(so the jobs' epochs overlap and the test can count each epoch's bytes); after the last epoch it
+prints ``done`` and exits 0. Every epoch must read every sample exactly once.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+
+from datacache import CacheConfig, NodeCache, StreamingDataset
+
+
+def main(url: str, ram_dir: str, ssd_dir: str, ram_bytes: str, epochs: str, opts: str) -> int:
+    cfg = CacheConfig(ram_bytes=int(ram_bytes), ssd_bytes=0, ram_dir=ram_dir, ssd_dir=ssd_dir)
+    with NodeCache(cfg) as cache:
+        ds = StreamingDataset(url, storage_options=ast.literal_eval(opts), cache=cache)
+        for epoch in range(int(epochs)):
+            print("ready", flush=True)
+            if not sys.stdin.readline():
+                return 1  # the test is gone
+            ds.set_epoch(epoch)
+            ids = sorted(int(s["i"]) for s in ds)
+            assert ids == list(range(len(ids))) and ids, f"epoch {epoch}: not every sample exactly once"
+        ds.source.close()
+    print("done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
