@@ -5,19 +5,14 @@ in ~1-10 s, is shared by the whole session and is stopped even when tests fail.
 """
 from __future__ import annotations
 
-import sys
 import uuid
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tools.s3server import SeaweedServer  # noqa: E402
-from tools.slowlink import SlowLink  # noqa: E402
+from tests.helpers import faults as H
+from tools.s3server import SeaweedServer
+from tools.slowlink import SlowLink
 
 TEST_BUCKET = "datacache-test"
 
@@ -103,9 +98,7 @@ def cache(tmp_path):
 @pytest.fixture
 def small_dataset(s3_server: SeaweedServer, make_s3_url: Callable[[], str]) -> tuple[str, dict[str, Any], Any]:
     """A fresh 40-sample dataset on the session server: 5 shards of 8 samples, sample ``i`` being
-    ``{"i": i, "data": _fault_helpers.payload(i, 1000)}``. Returns (url, storage_options, manifest)."""
-    import _fault_helpers as H
-
+    ``{"i": i, "data": tests.helpers.faults.payload(i, 1000)}``. Returns (url, storage_options, manifest)."""
     url, opts = make_s3_url(), s3_server.storage_options()
     return url, opts, H.write(url, opts, 40, 1000, shard_bytes=8 * 1000)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-import _fault_helpers as H
+from tests.helpers import faults as H
 from datacache import (IntegrityError, Manifest, ManifestError, NotFoundError, PermissionDeniedError, ReaderError,
                        StreamingDataset, open_store)
 

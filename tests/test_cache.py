@@ -2,7 +2,7 @@
 
 The RAM tier lives under /dev/shm when it exists (as in production: fsync is free there), the SSD
 tier under pytest's tmp_path. Children are forked, so they inherit the imported modules; results
-come back over multiprocessing queues and per-process fetch logs (see ``_cache_worker``).
+come back over multiprocessing queues and per-process fetch logs (see ``tests.helpers.cache_worker``).
 Multi-process tests carry a timeout mark: a deadlock fails instead of hanging.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import _cache_worker as W
+from tests.helpers import cache_worker as W
 from datacache.cache import NodeCache
 from datacache.config import CacheConfig
 from datacache.errors import CacheError

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
-import _fault_helpers as H
+from tests.helpers import faults as H
 from datacache import (CacheConfig, NodeCache, PrefetchConfig, RetryConfig, StreamingDataset, TransferConfig,
                        TransientStorageError)
 from datacache.index import Index
@@ -170,7 +170,7 @@ def test_training_process_killed_while_writing_the_cache(s3_server: Any, make_s3
     spec = {"url": url, "opts": s3_server.storage_options(link.endpoint_url), "n": n, "size": SIZE,
             "cache": H.cache_kw(tmp_path, ram="4MB"), "transfer": {"part_bytes": 8 * KB, "concurrency": 2}}
     ram_data = str(tmp_path / "ram" / "data")
-    proc = subprocess.Popen([sys.executable, H.HELPER, json.dumps(spec)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*H.COMMAND, json.dumps(spec)], cwd=H.ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     try:
         def mid_write() -> bool:  # some entries committed, and one being written right now
@@ -189,7 +189,7 @@ def test_training_process_killed_while_writing_the_cache(s3_server: Any, make_s3
     assert committed
 
     spec["opts"] = s3_server.storage_options()
-    out = subprocess.run([sys.executable, H.HELPER, json.dumps(spec)], capture_output=True, text=True, timeout=90)
+    out = subprocess.run([*H.COMMAND, json.dumps(spec)], cwd=H.ROOT, capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert "reconciled cache at" in out.stderr and res["reconciled"]["partial"] >= 1

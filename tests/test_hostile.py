@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import pytest
 
-import _fault_helpers as H
+from tests.helpers import faults as H
 from datacache import (CacheError, IntegrityError, Manifest, ManifestError, NodeCache, ReaderError, ShardInfo,
                        StreamingDataset, open_store)
 from datacache.hashing import hash_bytes

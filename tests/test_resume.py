@@ -1,5 +1,5 @@
 """Resuming StreamingDataset: exact order at any midpoint, across epochs, elastic N -> M world
-sizes, and through torchdata's StatefulDataLoader. All checks go through resume_helper.check_resume."""
+sizes, and through torchdata's StatefulDataLoader. All checks go through tests.helpers.resume.check_resume."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from datacache import NodeCache, StreamingDataset, write_dataset
-from resume_helper import check_resume
+from tests.helpers.resume import check_resume
 
 N = 400
 

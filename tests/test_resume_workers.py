@@ -1,7 +1,7 @@
 """Resuming from states saved in DataLoader workers (torchdata's StatefulDataLoader) and by several
 ranks: resumed with the same / fewer / more ranks and the same / other num_workers, in samples and
 batched mode, every sample exactly once (issue 11, point 1). All checks count every read
-(resume_helper.check_exactly_once); the state object itself is checked in test_resume_state_*."""
+(tests.helpers.resume.check_exactly_once); the state object itself is checked in test_resume_state_*."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,7 +11,7 @@ import pytest
 
 from datacache import NodeCache, StreamingDataset, write_dataset
 from datacache.resume import ResumeState, common_state, rank_state
-from resume_helper import Stage, check_exactly_once
+from tests.helpers.resume import Stage, check_exactly_once
 
 N = 400
 pytestmark = pytest.mark.timeout(300)

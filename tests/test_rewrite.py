@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import pytest
 
-import _fault_helpers as H
+from tests.helpers import faults as H
 from datacache import (DatacacheError, DatasetWriter, Manifest, NodeCache, NotFoundError, StreamingDataset, load_manifest,
                        open_store, write_dataset)
 from datacache.cli import main

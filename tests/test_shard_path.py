@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch.utils.data as tud
 
-import _fault_helpers as H
+from tests.helpers import faults as H
 import datacache
 import readers
 from datacache import CachedDataset, IntegrityError, Manifest, StreamingDataset, open_store

@@ -112,11 +112,11 @@ def test_two_datasets_one_process_ram_and_ssd(two_datasets: list[tuple[str, int]
 @pytest.mark.timeout(300)
 def test_two_datasets_two_processes(two_datasets: list[tuple[str, int]], s3_server: Any, tmp_path: Path) -> None:
     """Two jobs on one node, each reading its own dataset through the same cache directories, their
-    epochs started together (``_shared_cache_job`` waits for the test before each epoch)."""
+    epochs started together (``tests.helpers.shared_cache_job`` waits for the test before each epoch)."""
     capacity = sum(d for _, d in two_datasets) // 2
     cfg = _config(tmp_path, capacity, 0)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_shared_cache_job.py"), url, cfg.ram_dir, cfg.ssd_dir,
+    procs = [subprocess.Popen([sys.executable, str(HERE / "helpers" / "shared_cache_job.py"), url, cfg.ram_dir, cfg.ssd_dir,
                                str(capacity), str(EPOCHS), repr(s3_server.storage_options())],
                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for url, _ in two_datasets]

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch.utils.data as tud
 
-import _fault_helpers as H
+from tests.helpers import faults as H
 from datacache import StreamingDataset
 
 

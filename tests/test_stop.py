@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-import _fault_helpers as H
+from tests.helpers import faults as H
 from datacache import CacheConfig, NodeCache, load_manifest, open_store
 from datacache.hashing import hash_file
 

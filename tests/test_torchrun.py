@@ -18,7 +18,7 @@ import pytest
 from datacache import write_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("_torchrun_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "torchrun_worker.py"
 N = 2000
 TIMEOUT = 240
 

@@ -3,7 +3,7 @@
 Sample ``i`` of a test dataset is ``{"i": i, "data": payload(i, size)}``: the payload is derived
 from ``i`` alone, so any process can check every byte it is served.
 
-``python tests/_fault_helpers.py '<json spec>'`` runs one StreamingDataset epoch (no DataLoader
+``python -m tests.helpers.faults '<json spec>'`` (from the repository root) runs one StreamingDataset epoch (no DataLoader
 workers) in a fresh process and prints one JSON line: ``ids`` (in the order served), ``bad``
 (samples whose bytes are wrong), ``stats`` and ``reconciled`` (the cache's start-up report).
 Warnings of the datacache loggers go to stderr. The spec holds ``url``, ``opts``, ``cache``
@@ -21,16 +21,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 from datacache import CacheConfig, Manifest, write_dataset  # noqa: E402
-from _cache_worker import data_files as files  # noqa: E402,F401  (shared with the cache tests)
-from _cache_worker import in_child  # noqa: E402,F401  (one fork helper for all tests)
+from tests.helpers.cache_worker import data_files as files  # noqa: E402,F401  (shared with the cache tests)
+from tests.helpers.cache_worker import in_child  # noqa: E402,F401  (one fork helper for all tests)
 
 FORK = mp.get_context("fork")
-HELPER = str(Path(__file__).resolve())
+COMMAND = [sys.executable, "-m", "tests.helpers.faults"]  # run from ROOT
 
 
 def payload(i: int, size: int) -> bytes:

@@ -1,7 +1,7 @@
 """One training job for tests/test_shared_cache.py, run as its own process: read one dataset for
 some epochs through a node cache whose directories other jobs share.
 
-Usage: ``python _shared_cache_job.py URL RAM_DIR SSD_DIR RAM_BYTES EPOCHS STORAGE_OPTIONS_REPR``.
+Usage: ``python tests/helpers/shared_cache_job.py URL RAM_DIR SSD_DIR RAM_BYTES EPOCHS STORAGE_OPTIONS_REPR``.
 Lock-step with the test: before each epoch the job prints ``ready`` and waits for a line on stdin
 (so the jobs' epochs overlap and the test can count each epoch's bytes); after the last epoch it
 prints ``done`` and exits 0. Every epoch must read every sample exactly once.
