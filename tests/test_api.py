@@ -1,10 +1,12 @@
-"""The public API is exactly what __all__ says, and every name in it exists."""
+"""The public API is exactly what __all__ says, and every name in it exists; the layering holds."""
 import importlib
+import pathlib
 import subprocess
 import sys
 
 import datacache
 import readers
+from tests.helpers.layers import circles, import_graph
 
 EXPECTED = {
     "__version__", "write_dataset", "DatasetWriter", "Manifest", "ShardInfo", "load_manifest", "open_store", "Store",
@@ -32,8 +34,6 @@ def test_every_module_declares_all() -> None:
 
 
 def test_only_storage_imports_fsspec() -> None:
-    import pathlib
-
     root = pathlib.Path(datacache.__file__).parent
     users = sorted(p.name for p in root.glob("*.py") if "import fsspec" in p.read_text() or "from fsspec" in p.read_text())
     assert users == ["storage.py"]
@@ -46,3 +46,12 @@ def test_version_and_cli_help() -> None:
     out = subprocess.run([sys.executable, "-c", "import datacache, readers; print(datacache.__version__)"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == datacache.__version__
+
+
+def test_no_import_circle_and_no_module_imports_the_package_above_it() -> None:
+    """datacache's modules import each other one way (no circle, TYPE_CHECKING imports included),
+    and none imports the package's ``__init__`` (the top of the house)."""
+    graph = import_graph(pathlib.Path(datacache.__file__).parent)
+    assert not circles(graph), f"import circles through {circles(graph)}"
+    assert not [m for m, deps in graph.items() if "__init__" in deps and m != "__init__"]
+

@@ -2,7 +2,6 @@
 UnicodeDecodeError, lmdb.Error or ValueError), and the readers package imports one way."""
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pyarrow as pa
@@ -11,6 +10,7 @@ import pytest
 
 import readers
 from readers import ReaderError
+from tests.helpers.layers import absolute_imports, circles, import_graph
 
 READERS = Path(readers.__file__).resolve().parent
 
@@ -47,29 +47,9 @@ def test_unknown_format_and_closed_reader_are_reader_errors(tmp_path: Path) -> N
         r.get(0)
 
 
-def _imports(module: Path) -> set[str]:
-    """The sibling modules ``module`` imports (``from .x import ...``), at any depth."""
-    names = set()
-    for node in ast.walk(ast.parse(module.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            names.add(node.module or "")
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            mod = node.module if isinstance(node, ast.ImportFrom) else None
-            assert not (mod or "").startswith("datacache") and \
-                not any(a.name.startswith("datacache") for a in node.names if isinstance(node, ast.Import)), \
-                f"{module.name} imports datacache"
-    return names
-
-
 def test_readers_import_one_way_and_never_datacache() -> None:
-    graph = {p.stem: _imports(p) for p in READERS.glob("*.py")}
-
-    def reaches(start: str, target: str, seen: set[str]) -> bool:
-        for nxt in graph.get(start, ()):
-            if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
-                return True
-        return False
-
-    circles = sorted(m for m in graph if m != "__init__" and reaches(m, m, {m}))
-    assert not circles, f"import circles through {circles}"
+    graph = import_graph(READERS)
+    assert not circles(graph), f"import circles through {circles(graph)}"
     assert "codec" not in graph["errors"] and "base" not in graph["codec"]
+    for p in READERS.glob("*.py"):
+        assert "datacache" not in absolute_imports(p), f"{p.name} imports datacache"
