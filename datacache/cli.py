@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import __version__
+from ._version import __version__
 from ._cli_cmds import COMMANDS, Ctx, UsageError
 from .config import ENV_VARS, POLICIES, CacheConfig, cache_settings, parse_size
 from .errors import DatacacheError

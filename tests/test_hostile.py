@@ -25,7 +25,7 @@ from tests.helpers import faults as H
 from datacache import (CacheError, IntegrityError, Manifest, ManifestError, NodeCache, ReaderError, ShardInfo,
                        StreamingDataset, open_store)
 from datacache.hashing import hash_bytes
-from test_readers import _bomb_frame, craft_dcz
+from tests.helpers.crafted import bomb_frame, craft_dcz
 
 SIZE = 1000
 FORK = mp.get_context("fork")
@@ -205,7 +205,7 @@ def test_shard_declaring_100gb_is_refused_quickly_in_bounded_memory(s3_server: A
 @pytest.mark.timeout(120)
 def test_zstd_bomb_in_a_dataset_is_refused_in_bounded_memory(tmp_path: Path) -> None:
     declared = 70_000
-    bomb = craft_dcz(tmp_path / "bomb.dcz", [(_bomb_frame(512 << 20, declared), declared, [(0, declared)])])
+    bomb = craft_dcz(tmp_path / "bomb.dcz", [(bomb_frame(512 << 20, declared), declared, [(0, declared)])])
     url = f"file://{tmp_path}/ds"
     publish(url, None, "zstd", {"x": "bytes"}, [("bomb.dcz", Path(bomb).read_bytes(), 1)])
     outcome, text, growth = run_capped(lambda: _epoch(url, None, tmp_path / "cache"))

@@ -29,6 +29,7 @@ from hypothesis.extra import numpy as hnp
 import readers
 from readers import ReaderError, codec
 from readers import zstd as rzstd
+from tests.helpers.crafted import bomb_frame, craft_dcz
 
 FORMAT_NAMES = sorted(readers.FORMATS)
 # Small blocks / row groups so the generic suite crosses block and row-group boundaries.
@@ -396,38 +397,6 @@ def test_zstd_byte_flips_raise_only_reader_error(pos: int, xor: int) -> None:
 
 
 # -- zstd: crafted files, bombs, dictionaries -------------------------------------------------
-def craft_dcz(path: Any, blocks: list[tuple[bytes, int, list[tuple[int, int]]]],
-              schema: dict[str, str] | None = None, sample_count: int | None = None) -> str:
-    """Assemble a .dcz file from (frame, declared raw length, [(offset, length)]) blocks."""
-    from array import array
-
-    body, block_table, sample_table, first = bytearray(rzstd.MAGIC), array("Q"), array("Q"), 0
-    for frame, raw_len, entries in blocks:
-        block_table.extend((len(body), len(frame), raw_len, first))
-        body += frame
-        for offset, length in entries:
-            sample_table.extend((offset, length))
-            first += 1
-    index = rzstd._encode_index(schema or {"x": "bytes"}, 0, 0, block_table, sample_table)
-    count = len(sample_table) // 2 if sample_count is None else sample_count
-    path.write_bytes(bytes(body) + index + rzstd._encode_footer(len(body), index, count))
-    return str(path)
-
-
-def _bomb_frame(size: int, declared: int | None) -> bytes:
-    """A zstd frame of ``size`` zero bytes whose header claims ``declared`` bytes (or no size)."""
-    cobj = zstandard.ZstdCompressor(level=1, write_content_size=declared is not None) \
-        .compressobj(size=size if declared is not None else -1)
-    chunk = bytes(4 << 20)
-    frame = b"".join([cobj.compress(chunk) for _ in range(size // len(chunk))] + [cobj.flush()])
-    if declared is None:
-        return frame
-    fhd = frame[4]
-    assert fhd >> 6 == 2  # 4-byte frame content size field
-    pos = 5 + (0 if fhd & 0x20 else 1) + [0, 1, 2, 4][fhd & 3]
-    frame = frame[:pos] + struct.pack("<I", declared) + frame[pos + 4:]
-    assert zstandard.frame_content_size(frame) == declared
-    return frame
 
 
 def _proc_status_kib(field: str) -> int:
@@ -464,7 +433,7 @@ def run_with_memory_cap(fn: Callable[[], Any], headroom: int = 400 << 20,
 
 def test_zstd_bomb_small_declared_length(tmp_path: Any) -> None:
     declared = 70_000
-    frame = _bomb_frame(1100 << 20, declared)  # 1.1 GB of zeros, header says 70 kB
+    frame = bomb_frame(1100 << 20, declared)  # 1.1 GB of zeros, header says 70 kB
     path = craft_dcz(tmp_path / "bomb.dcz", [(frame, declared, [(0, declared)])])
     start = time.monotonic()
     with rzstd.ZstdShardReader(path) as reader:
@@ -475,7 +444,7 @@ def test_zstd_bomb_small_declared_length(tmp_path: Any) -> None:
 
 
 def test_zstd_bomb_without_content_size(tmp_path: Any) -> None:
-    frame = _bomb_frame(1100 << 20, None)
+    frame = bomb_frame(1100 << 20, None)
     path = craft_dcz(tmp_path / "bomb.dcz", [(frame, 1000, [(0, 1000)])])
     with rzstd.ZstdShardReader(path) as reader:
         assert run_with_memory_cap(lambda: reader.get(0)) == "ReaderError"
