@@ -37,6 +37,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from .tiers import pid_alive as _alive  # file helpers only: the store still imports no cache
+
 __all__ = ["Congestion", "MAX_WINDOW", "node_states"]
 
 MAX_WINDOW = 64
@@ -70,16 +72,6 @@ def _reset_open_lock() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_open_lock)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Mapped:
