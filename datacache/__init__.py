@@ -50,6 +50,7 @@ __all__ = [
     "LRUPolicy", "ClairvoyantPolicy", "Schedule",
     "StreamingDataset", "CachedDataset",
     "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size",
-    "DatacacheError", "StorageError", "TransientStorageError", "ThrottledError", "NotFoundError", "PermissionDeniedError",
+    "DatacacheError", "StorageError", "TransientStorageError", "ThrottledError", "NotFoundError",
+    "PermissionDeniedError",
     "ManifestError", "IntegrityError", "ReaderError", "CacheError", "DatasetExistsError",
 ]

@@ -19,8 +19,8 @@ MRO, then the builtin ``OSError`` family::
 Transient errors are retried with exponential backoff and full jitter
 (``sleep = uniform(0, min(max_delay, base_delay * 2**(attempt-1)))``); throttling errors are
 retried without an own sleep: the node-wide congestion gate spaces the next attempt. Both are
-bounded by ``RetryConfig.deadline`` (and ``RetryConfig.attempts`` when it is set). Everything here is stateless or guarded by
-the caller and therefore thread-safe.
+bounded by ``RetryConfig.deadline`` (and ``RetryConfig.attempts`` when it is set). Everything
+here is stateless or guarded by the caller and therefore thread-safe.
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ from .errors import (
     TransientStorageError,
 )
 
-__all__ = ["Kind", "ShortReadError", "NodeBackoff", "RETRYABLE", "classify", "backoff_delay", "retry_call", "translate", "check_name",
+__all__ = ["Kind", "ShortReadError", "NodeBackoff", "RETRYABLE", "classify", "backoff_delay", "retry_call",
+           "translate", "check_name",
            "secret_values"]
 
 log = logging.getLogger("datacache.storage")
@@ -268,7 +269,7 @@ def retry_call(
     """
     t0 = time.monotonic() if started is None else started
     attempts = max(1, policy.attempts) if policy.attempts is not None else None
-    attempt = 0
+    attempt, last = 0, None
     while True:
         attempt += 1
         if on_attempt is not None:
@@ -284,13 +285,17 @@ def retry_call(
             elapsed = time.monotonic() - t0
             # Throttled: no sleep of our own, the node's congestion gate (inside fn) spaces attempts.
             delay = backoff_delay(attempt, policy) if kind == "transient" else 0.0
-            retry = (kind in RETRYABLE and (attempts is None or attempt < attempts)
+            gated = isinstance(exc, NodeBackoff)  # fn could not even start before the deadline
+            retry = (kind in RETRYABLE and not gated and (attempts is None or attempt < attempts)
                      and elapsed + delay < policy.deadline and not (cancelled is not None and cancelled()))
-            err = translate(exc, kind, url=url, op=op, attempts=attempt, elapsed=elapsed, redact=redact)
+            cause = last if gated and last is not None else exc  # the store's own answer, if any
+            err = translate(cause, kind, url=url, op=op, attempts=max(1, attempt - gated), elapsed=elapsed,
+                            redact=redact)
             if on_error is not None:
                 on_error(type(err).__name__, retry)
             if not retry:
-                raise err from exc
+                raise err from cause
+            last = exc
             log.debug("%s %s: attempt %d failed (%s); retrying in %.2fs", op, url, attempt,
                       describe(exc, redact), delay)
         sleep(delay)

@@ -57,7 +57,8 @@ from fsspec.core import split_protocol
 
 from ._cancel import cat_range
 from ._slots import PrioritySlots
-from ._retry import NodeBackoff, ShortReadError, check_name as _check_name, classify, error_code, retry_call, secret_values
+from ._retry import (NodeBackoff, ShortReadError, check_name as _check_name, classify, error_code, retry_call,
+                     secret_values)
 from .congestion import Congestion
 from .config import RetryConfig, TransferConfig
 from .errors import IntegrityError, NotFoundError, StorageError

@@ -32,8 +32,8 @@ import xxhash
 from .config import format_size
 from .errors import CacheError
 
-__all__ = ["pid_alive", "Tier", "ensure_private_dir", "key_id", "KeyLock", "try_pin", "lock_nonblocking", "unlock_close",
-           "remove_if_exists", "GONE", "BUSY", "NO_SPACE_ERRNOS"]
+__all__ = ["pid_alive", "Tier", "ensure_private_dir", "key_id", "KeyLock", "try_pin", "lock_nonblocking",
+           "unlock_close", "remove_if_exists", "GONE", "BUSY", "NO_SPACE_ERRNOS"]
 
 log = logging.getLogger("datacache.cache")
 
