@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,73 @@ def test_node_request_rate_falls_during_a_storm_across_processes(s3_server: Any,
     node = Congestion(url, control).stats()
     assert node["throttled"] == len(link.throttled_at)  # every process counted into one state
     assert node["in_flight"] == 0 and node["requests"] >= procs * threads
+
+
+def _spend(url: str, opts: dict[str, Any], control: str, rate: float, count: int, q: Any) -> None:
+    """A process of the node making ``count`` requests under the node's ``rate`` budget."""
+    store = open_store(url, opts, transfer=TransferConfig(max_requests_per_s=rate))
+    store.share_congestion(control)
+    for _ in range(count):
+        store.read_range("o.bin", 0, 10)
+    q.put(os.getpid())
+    store.close()
+
+
+@pytest.mark.timeout(120)
+def test_request_budget_is_kept_by_every_process_of_the_node_together(s3_server: Any, make_s3_url: Any,
+                                                                      slowlink: Any, tmp_path: Path) -> None:
+    url, rate, procs, count = make_s3_url(), 8.0, 3, 12
+    open_store(url, s3_server.storage_options()).write_bytes("o.bin", b"x" * 100)
+    link = slowlink()
+    control = str(tmp_path / "control")
+    q = FORK.Queue()
+    t0 = time.monotonic()
+    ps = [FORK.Process(target=_spend, args=(url, s3_server.storage_options(link.endpoint_url), control, rate, count, q),
+                       daemon=True) for _ in range(procs)]
+    for p in ps:
+        p.start()
+    for _ in ps:
+        q.get(timeout=100)
+    spent = time.monotonic() - t0
+    for p in ps:
+        p.join(30)
+    assert link.requests == procs * count
+    # a token bucket one second deep, shared: never more than rate/s plus its depth over the run
+    # (one bucket per process would let 3 x 8/s through: 36 requests in about a second)
+    assert link.requests <= rate * spent + rate
+
+
+@pytest.mark.timeout(60)
+def test_window_halves_on_throttling_grows_on_success_and_a_killed_holder_is_forgotten(tmp_path: Path) -> None:
+    c = Congestion("s3://b/p/", str(tmp_path), base_delay=0.001, max_delay=0.001)
+    assert c.acquire(time.monotonic() + 30)
+    c.release("throttled")
+    assert c.stats()["concurrency"] == 32 and c.stats()["throttled"] == 1
+    for _ in range(10):
+        assert c.acquire(time.monotonic() + 30)
+        c.release("throttled")
+    assert c.stats()["concurrency"] == 1  # never below one request in flight
+    assert c.acquire(time.monotonic() + 30)
+    c.release("ok")
+    st = c.stats()
+    assert st["concurrency"] == 2 and st["requests"] == 12 and st["in_flight"] == 0 and st["throttle_seconds"] > 0
+    assert c.acquire(time.monotonic() + 30)
+    c.release("throttled")  # back to a window of one
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a process of the node that dies mid-request, holding the only place
+        try:
+            Congestion("s3://b/p/", str(tmp_path)).acquire(time.monotonic() + 30)
+            os.write(w, b"x")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    assert os.read(r, 1) == b"x"
+    assert c.stats()["in_flight"] == 1
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    assert c.acquire(time.monotonic() + 30)  # the dead holder's place is taken back
+    c.release("ok")
+    assert c.stats()["in_flight"] == 0
+    c.close()
+    c.close()
