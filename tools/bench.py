@@ -1,6 +1,6 @@
 """datacache against its peers on one emulated WAN link: ``python tools/bench.py --out DIR``.
 
-    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw]
+    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle] [--storm 30]
                           [--systems datacache,streaming,litdata,fsspec] [--reps 3] [--profile SCENARIO] --out DIR
 
 Install: ``pip install -c constraints.txt -e '.[bench]'`` (constraints.txt pins the installed torch,
@@ -24,6 +24,9 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
 - ranks: ``torchrun --nproc_per_node=2`` (gloo) x 2 workers, cold: the node's remote bytes.
 - small: 100 MB of 1 KiB samples, batch 256, warm, no compute: samples/s.
 - raw: warm, no compute, 64 KiB samples: GB/s against the memcpy bound.
+- throttle: cold, and once a tenth of D has crossed the link the store throttles for ``--storm``
+  seconds (every request answered 503 SlowDown, open connections cut: ``SlowLink.throttle``):
+  wall time, requests answered 503, every sample exactly once.
 
 Bounds, measured in the same run: link = needed bytes / bandwidth; compute = batches x step time;
 memcpy = D bytes copied in RAM (numpy, best of 3). Output: ``DIR/results.jsonl`` (one line per
@@ -58,7 +61,7 @@ from tools import bench_report  # noqa: E402
 SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 VARIANTS = {"datacache": ("default",), "streaming": ("default", "tuned"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
-SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw")
+SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle")
 RUNNER = os.path.join(ROOT, "tools", "bench_systems.py")
 # A new tag when a system's written format changes, so DIR/s3 never serves a stale layout
 # (datacache: incompressible blocks stored raw since the raw-block format).
@@ -84,6 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compute", type=float, default=0.02, help="simulated compute per batch, s")
     p.add_argument("--bandwidth", default="50MB", help="link bandwidth, bytes/s, shared by all connections")
     p.add_argument("--latency", type=float, default=0.02, help="per-request latency, s")
+    p.add_argument("--storm", type=float, default=30.0, help="throttle scenario: seconds of 503 SlowDown")
     p.add_argument("--profile", metavar="SCENARIO", help="also run datacache under a profiler for SCENARIO")
     p.add_argument("--profiler", choices=("auto", "py-spy", "pyinstrument"), default="auto",
                    help="auto: py-spy if installed (every process and thread), else pyinstrument (main process)")
@@ -123,7 +127,25 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
         sc["phases"] = ["measured"] * 3
     if name == "ranks":
         sc["ranks"] = 2
+    if name == "throttle":
+        sc.update(storm=a.storm, storm_at=0.1)  # the storm begins once D/10 has crossed the link
     return sc
+
+
+def storm_watch(link: Any, sc: dict[str, Any], D: int) -> tuple[threading.Event, threading.Thread]:
+    """For a scenario with a storm: a thread that throttles the link once ``storm_at`` x D bytes
+    crossed it; set the event to stop watching."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.02):
+            if link.snapshot()["bytes_down"] >= sc["storm_at"] * D:
+                link.throttle(sc["storm"])
+                return
+    t = threading.Thread(target=watch, name="bench-storm", daemon=True)
+    if sc.get("storm"):
+        t.start()
+    return done, t
 
 
 # ---------------------------------------------------------------- infrastructure
@@ -289,9 +311,14 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     path = os.path.join(a.tmp, f"{sc['name']}-{label}-r{rep}")
     link.reset_counters()
     t0 = time.time()
+    storm_done, storm = storm_watch(link, sc, D)
     try:
         res = launch("run", spec, path, timeout=a.run_timeout, ranks=sc["ranks"], wrap=wrap)
     finally:
+        storm_done.set()
+        storm.join() if storm.is_alive() else None
+        if link.throttling:  # a storm never outlives its run
+            link.throttle(0)
         shutil.rmtree(cache_dir, ignore_errors=True)
         shutil.rmtree(spec["ssd_dir"], ignore_errors=True)
     run_bytes = link.snapshot()["bytes_down"]
@@ -301,6 +328,8 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
               "shard_bytes": a.shard_bytes, "batch_size": sc["batch_size"], "workers": sc["workers"],
               "ranks": sc["ranks"], "bandwidth": a.bandwidth, "latency": a.latency, "memcpy_rate": ctx["memcpy_rate"],
               "run_remote_bytes": run_bytes, "run_seconds": time.time() - t0}
+    if sc.get("storm"):
+        common.update(storm=sc["storm"], throttled_requests=len(link.throttled_at))
     out = []
     for r in res["records"]:
         rec = {**base, **common, **r}
