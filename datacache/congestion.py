@@ -41,7 +41,7 @@ from .tiers import pid_alive as _alive  # file helpers only: the store still imp
 
 __all__ = ["Congestion", "MAX_WINDOW", "node_states"]
 
-MAX_WINDOW = 64
+MAX_WINDOW = 128  # 8 ranks x 8 workers x 2 request slots: no node is slowed by the window alone
 _MAGIC = b"dcCONG01"
 # magic, boot id, window, gate, consecutive, throttled, requests, throttle_s, throttled_since, tokens, token_t
 _HEAD = struct.Struct("<8s16sddqqqdddd")

@@ -182,15 +182,15 @@ def test_window_halves_on_throttling_grows_on_success_and_a_killed_holder_is_for
     c = Congestion("s3://b/p/", str(tmp_path), base_delay=0.001, max_delay=0.001)
     assert c.acquire(time.monotonic() + 30)
     c.release("throttled")
-    assert c.stats()["concurrency"] == 32 and c.stats()["throttled"] == 1
-    for _ in range(10):
+    assert c.stats()["concurrency"] == 64 and c.stats()["throttled"] == 1
+    for _ in range(12):
         assert c.acquire(time.monotonic() + 30)
         c.release("throttled")
     assert c.stats()["concurrency"] == 1  # never below one request in flight
     assert c.acquire(time.monotonic() + 30)
     c.release("ok")
     st = c.stats()
-    assert st["concurrency"] == 2 and st["requests"] == 12 and st["in_flight"] == 0 and st["throttle_seconds"] > 0
+    assert st["concurrency"] == 2 and st["requests"] == 14 and st["in_flight"] == 0 and st["throttle_seconds"] > 0
     assert c.acquire(time.monotonic() + 30)
     c.release("throttled")  # back to a window of one
     r, w = os.pipe()

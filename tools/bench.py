@@ -24,7 +24,7 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
 - ranks: ``torchrun --nproc_per_node=2`` (gloo) x 2 workers, cold: the node's remote bytes.
 - small: 100 MB of 1 KiB samples, batch 256, warm, no compute: samples/s.
 - raw: warm, no compute, 64 KiB samples: GB/s against the memcpy bound.
-- throttle: cold, and once a tenth of D has crossed the link the store throttles for ``--storm``
+- throttle: cold, and once a quarter of D has crossed the link the store throttles for ``--storm``
   seconds (every request answered 503 SlowDown, open connections cut: ``SlowLink.throttle``):
   wall time, requests answered 503, every sample exactly once.
 
@@ -128,24 +128,43 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
     if name == "ranks":
         sc["ranks"] = 2
     if name == "throttle":
-        sc.update(storm=a.storm, storm_at=0.1)  # the storm begins once D/10 has crossed the link
+        sc.update(storm=a.storm, storm_at=0.25)  # the storm begins once D/4 has crossed the link
     return sc
 
 
-def storm_watch(link: Any, sc: dict[str, Any], D: int) -> tuple[threading.Event, threading.Thread]:
+def storm_watch(link: Any, sc: dict[str, Any], D: int) -> tuple[threading.Event, threading.Thread, list]:
     """For a scenario with a storm: a thread that throttles the link once ``storm_at`` x D bytes
-    crossed it; set the event to stop watching."""
-    done = threading.Event()
+    crossed it, then samples the link's bytes (seconds since the storm began, bytes) every 50 ms
+    into the returned list; set the event to stop it."""
+    done, timeline = threading.Event(), []
 
     def watch() -> None:
         while not done.wait(0.02):
             if link.snapshot()["bytes_down"] >= sc["storm_at"] * D:
                 link.throttle(sc["storm"])
+                began = time.monotonic()
+                while not done.wait(0.05):
+                    timeline.append((time.monotonic() - began, link.snapshot()["bytes_down"]))
                 return
     t = threading.Thread(target=watch, name="bench-storm", daemon=True)
     if sc.get("storm"):
         t.start()
-    return done, t
+    return done, t, timeline
+
+
+def storm_figures(link: Any, storm: float, timeline: list, bandwidth: float) -> dict[str, Any]:
+    """Requests answered 503, the node's request rate after the storm's first 5 s, and how soon
+    after the storm bytes flowed again and the link ran at 80 % of its rate (over 0.5 s)."""
+    late = sum(t >= 5 for t in link.throttled_at)
+    out: dict[str, Any] = {"storm": storm, "throttled_requests": len(link.throttled_at),
+                           "late_requests_per_s": round(late / max(storm - 5, 1e-9), 3)}
+    after = [(t, b) for t, b in timeline if t >= storm]
+    if after:
+        b0 = after[0][1]
+        out["resumed_s"] = next((round(t - storm, 2) for t, b in after if b > b0), None)
+        out["full_rate_s"] = next((round(t - storm, 2) for i, (t, b) in enumerate(after)
+                                   for t2, b2 in after[i + 10:i + 11] if (b2 - b) >= 0.8 * bandwidth * (t2 - t)), None)
+    return out
 
 
 # ---------------------------------------------------------------- infrastructure
@@ -311,7 +330,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     path = os.path.join(a.tmp, f"{sc['name']}-{label}-r{rep}")
     link.reset_counters()
     t0 = time.time()
-    storm_done, storm = storm_watch(link, sc, D)
+    storm_done, storm, storm_timeline = storm_watch(link, sc, D)
     try:
         res = launch("run", spec, path, timeout=a.run_timeout, ranks=sc["ranks"], wrap=wrap)
     finally:
@@ -329,7 +348,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
               "ranks": sc["ranks"], "bandwidth": a.bandwidth, "latency": a.latency, "memcpy_rate": ctx["memcpy_rate"],
               "run_remote_bytes": run_bytes, "run_seconds": time.time() - t0}
     if sc.get("storm"):
-        common.update(storm=sc["storm"], throttled_requests=len(link.throttled_at))
+        common.update(storm_figures(link, sc["storm"], storm_timeline, a.bandwidth))
     out = []
     for r in res["records"]:
         rec = {**base, **common, **r}

@@ -51,7 +51,8 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
             "memcpy_gb_s": r0["memcpy_rate"] / 1e9, "link": link, "compute": compute, "memcpy": memcpy,
             "bound": max(link, compute, memcpy), "D": D, "C": C,
             "exactly_once": all(r["samples"] == r0["n"] == r.get("unique_samples", r0["n"]) for r in m),
-            **({"throttled": r0["throttled_requests"], "storm": r0["storm"]} if "storm" in r0 else {})}
+            **({"throttled": r0["throttled_requests"], "storm": r0["storm"],
+                "late_rate": r0["late_requests_per_s"]} if "storm" in r0 else {})}
 
 
 def medians(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -101,6 +102,7 @@ def targets(sc: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> st
     elif sc == "throttle":
         checks += [(dc["exactly_once"] == 1, "every sample exactly once"),
                    (dc["throttled"] > 0, f"{dc['throttled']:.0f} requests throttled in a {dc['storm']:.0f} s storm"),
+                   (dc["late_rate"] <= 2, f"{dc['late_rate']:.2f} requests/s after its first 5 s (<=2)"),
                    (dc["wall"] <= dc["link"] + dc["storm"] + 10, f"wall {dc['wall']:.1f} s <= link + storm + 10 s")]
     elif sc == "raw":
         frac = dc["gb_s"] / dc["memcpy_gb_s"]
