@@ -239,6 +239,19 @@ def translate(exc: BaseException, kind: Kind, *, url: str, op: str,
 
 _rng = random.Random()
 _rng_lock = threading.Lock()
+_WARN_EVERY = 10.0  # seconds: a long outage is reported (once per process per period), never silent
+_last_warning = [float("-inf")]
+
+
+def _warn_long_outage(op: str, url: str, kind: Kind, elapsed: float, deadline: float) -> None:
+    now = time.monotonic()
+    with _rng_lock:
+        if elapsed < _WARN_EVERY or now - _last_warning[0] < _WARN_EVERY:
+            return
+        _last_warning[0] = now
+    what = "throttling requests" if kind == "throttled" else "unavailable"
+    log.warning("%s %s: the store has been %s for %.0f s; still retrying, up to RetryConfig.deadline=%.0f s",
+                op, url, what, elapsed, deadline)
 
 
 def backoff_delay(attempt: int, policy: RetryConfig) -> float:
@@ -295,6 +308,7 @@ def retry_call(
                 on_error(type(err).__name__, retry)
             if not retry:
                 raise err from cause
+            _warn_long_outage(op, url, kind, elapsed, policy.deadline)
             last = exc
             log.debug("%s %s: attempt %d failed (%s); retrying in %.2fs", op, url, attempt,
                       describe(exc, redact), delay)

@@ -95,8 +95,11 @@ class _Mapped:
                    "requests": 0, "throttle_seconds": 0.0, "throttled_since": 0.0, "tokens": -1.0,
                    "token_time": 0.0})
 
+    def url_bytes(self) -> bytes:
+        return bytes(self.mm[_HEAD.size:_PIDS_AT]).rstrip(b"\0")
+
     def url(self) -> str:
-        return bytes(self.mm[_HEAD.size:_PIDS_AT]).rstrip(b"\0").decode(errors="replace")
+        return self.url_bytes().decode(errors="replace")
 
     def pids(self) -> list[tuple[int, int]]:
         return list(_PID.iter_unpack(self.mm[_PIDS_AT:_SIZE]))
@@ -168,7 +171,7 @@ class Congestion:
                 os.ftruncate(fd, _SIZE)
             state = _Mapped(mmap.mmap(fd, _SIZE))
             head = state.load()
-            if head["magic"] != _MAGIC or head["boot"] != _boot_id() or state.url() != self.url[:_URL_LEN]:
+            if head["magic"] != _MAGIC or head["boot"] != _boot_id() or state.url_bytes() != self.url.encode()[:_URL_LEN]:
                 state.init(self.url, _boot_id())  # new file, or left from before a reboot
             state.add_inflight(os.getpid(), -(1 << 30))  # a reused pid starts from zero
             fcntl.flock(fd, fcntl.LOCK_UN)

@@ -7,6 +7,7 @@ assertions: counts, and completion within each test's hang guard.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import subprocess
@@ -211,3 +212,24 @@ def test_window_halves_on_throttling_grows_on_success_and_a_killed_holder_is_for
     assert c.stats()["in_flight"] == 0
     c.close()
     c.close()
+
+
+class _SlowDown(Exception):
+    def __init__(self) -> None:
+        super().__init__("An error occurred (SlowDown)")
+        self.response = {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}
+
+
+def test_a_long_outage_is_reported_while_it_is_retried(caplog: Any) -> None:
+    from datacache import _retry
+
+    def throttled() -> None:
+        raise _SlowDown()
+    caplog.set_level(logging.WARNING, logger="datacache.storage")
+    _retry._last_warning[0] = float("-inf")
+    with pytest.raises(ThrottledError, match="2 attempts"):  # began 20 s ago: past the warning period
+        _retry.retry_call(throttled, RetryConfig(attempts=2), url="s3://b/p/x", op="read", redact=str,
+                          started=time.monotonic() - 20)
+    (rec,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "s3://b/p/x" in rec.getMessage() and "throttling" in rec.getMessage()
+    assert "RetryConfig.deadline=600" in rec.getMessage()
