@@ -37,6 +37,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from ._retry import NodeBackoff, classify
 from .tiers import pid_alive as _alive  # file helpers only: the store still imports no cache
 
 __all__ = ["Congestion", "MAX_WINDOW", "node_states"]
@@ -254,6 +255,22 @@ class Congestion:
             if now + wait > give_up_at or (cancelled is not None and cancelled()):
                 return False
             time.sleep(wait)
+
+    @contextmanager
+    def request(self, give_up_at: float, cancelled: Callable[[], bool] | None = None) -> Iterator[None]:
+        """One request to the store in the block: ``acquire`` (``NodeBackoff``, a throttling
+        error, when that fails), then ``release`` with the outcome of the block's exception."""
+        if not self.acquire(give_up_at, cancelled):
+            raise NodeBackoff("the node is backing off from a throttling store past this operation's deadline")
+        outcome = "error"
+        try:
+            yield
+            outcome = "ok"
+        except Exception as exc:
+            outcome = classify(exc)
+            raise
+        finally:
+            self.release(outcome)
 
     def release(self, outcome: str) -> None:
         """End a request counted by ``acquire``: ``outcome`` is "ok", "throttled" or anything else

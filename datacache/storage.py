@@ -48,17 +48,16 @@ import threading
 import time
 import weakref
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import nullcontext, suppress
 from itertools import count
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import fsspec
 from fsspec.core import split_protocol
 
 from ._cancel import cat_range
 from ._slots import PrioritySlots
-from ._retry import (NodeBackoff, ShortReadError, check_name as _check_name, classify, error_code, retry_call,
-                     secret_values)
+from ._retry import ShortReadError, check_name as _check_name, error_code, retry_call, secret_values
 from .congestion import Congestion
 from .config import RetryConfig, TransferConfig
 from .errors import IntegrityError, NotFoundError, StorageError
@@ -284,34 +283,18 @@ class Store:
             if will_retry:
                 self._stats["retries"] += 1
 
-    @contextmanager
-    def _request(self, priority: float | None, give_up_at: float,
-                 cancelled: Callable[[], bool] | None) -> Iterator[None]:
-        """One request: a request slot of this process (ranged GETs, in ``priority`` order), then a
-        place in the node's congestion window; its outcome is reported to the window."""
-        with self._requests.hold(priority) if priority is not None else nullcontext():
-            if not self.congestion.acquire(give_up_at, cancelled):
-                raise NodeBackoff("the node is backing off from a throttling store past this operation's deadline")
-            outcome = "error"
-            try:
-                yield
-                outcome = "ok"
-            except Exception as exc:
-                outcome = classify(exc)
-                raise
-            finally:
-                self.congestion.release(outcome)
-
     def _call(self, op: str, name: str, fn: Callable[[Any, str], Any], *, started: float | None = None,
               cancelled: Callable[[], bool] | None = None, priority: float | None = None) -> Any:
-        """Run ``fn(fs, path)`` as one request (see ``_request``) under the retry policy; errors are
-        translated here."""
+        """Run ``fn(fs, path)`` under the retry policy; errors are translated here. Each attempt
+        is one request: a request slot of this process (with a ``priority``: ranged GETs, in plan
+        order), then a place in the node's congestion window, which learns its outcome."""
         fs, _ = self._ensure()
         path = self._root + name
         started = time.monotonic() if started is None else started
 
         def attempt() -> Any:
-            with self._request(priority, started + self.retry.deadline, cancelled):
+            with self._requests.hold(priority) if priority is not None else nullcontext(), \
+                    self.congestion.request(started + self.retry.deadline, cancelled):
                 return fn(fs, path)
         return retry_call(attempt, self.retry, url=self.url_of(name), op=op,
                           redact=self._redact, started=started, cancelled=cancelled,
