@@ -32,7 +32,7 @@ def test_bench_datacache_tiny(tmp_path: Path) -> None:
     assert D <= cold["run_remote_bytes"] <= 1.05 * D  # metered at the proxy: the dataset crossed once
     assert by[("warm", "fill")]["remote_bytes"] >= D
     assert warm["remote_bytes"] == 0  # served from the cache
-    storm = by[("throttle", "measured")]  # a 3 s storm from D/4 on: survived, every sample once
+    storm = by[("throttle", "measured")]  # a 3 s storm from D/2 on: survived, every sample once
     assert storm["throttled_requests"] > 0 and storm["unique_samples"] == storm["n"] and storm["storm"] == 3
 
     table = (out / "results.md").read_text()

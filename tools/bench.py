@@ -24,7 +24,7 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
 - ranks: ``torchrun --nproc_per_node=2`` (gloo) x 2 workers, cold: the node's remote bytes.
 - small: 100 MB of 1 KiB samples, batch 256, warm, no compute: samples/s.
 - raw: warm, no compute, 64 KiB samples: GB/s against the memcpy bound.
-- throttle: cold, and once a quarter of D has crossed the link the store throttles for ``--storm``
+- throttle: cold, and once half of D has crossed the link the store throttles for ``--storm``
   seconds (every request answered 503 SlowDown, open connections cut: ``SlowLink.throttle``):
   wall time, requests answered 503, every sample exactly once.
 
@@ -128,7 +128,7 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
     if name == "ranks":
         sc["ranks"] = 2
     if name == "throttle":
-        sc.update(storm=a.storm, storm_at=0.25)  # the storm begins once D/4 has crossed the link
+        sc.update(storm=a.storm, storm_at=0.5)  # the storm begins once D/2 has crossed the link
     return sc
 
 
