@@ -42,8 +42,7 @@ from .errors import (
 )
 
 __all__ = ["Kind", "ShortReadError", "NodeBackoff", "RETRYABLE", "classify", "backoff_delay", "retry_call",
-           "translate", "check_name",
-           "secret_values"]
+           "translate", "check_name", "secret_values"]
 
 log = logging.getLogger("datacache.storage")
 _SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature")
