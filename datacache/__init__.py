@@ -19,7 +19,7 @@ from ._version import __version__
 from .cache import CacheHandle, NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
 from .errors import (CacheError, DatacacheError, DatasetExistsError, IntegrityError, ManifestError, NotFoundError,
-                     PermissionDeniedError, ReaderError, StorageError, TransientStorageError)
+                     PermissionDeniedError, ReaderError, StorageError, ThrottledError, TransientStorageError)
 from .eviction import ClairvoyantPolicy, LRUPolicy, Schedule
 from .manifest import Manifest, ShardInfo, load_manifest
 from .storage import Store, open_store
@@ -50,6 +50,7 @@ __all__ = [
     "LRUPolicy", "ClairvoyantPolicy", "Schedule",
     "StreamingDataset", "CachedDataset",
     "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size",
-    "DatacacheError", "StorageError", "TransientStorageError", "NotFoundError", "PermissionDeniedError",
+    "DatacacheError", "StorageError", "TransientStorageError", "ThrottledError", "NotFoundError",
+    "PermissionDeniedError",
     "ManifestError", "IntegrityError", "ReaderError", "CacheError", "DatasetExistsError",
 ]

@@ -48,7 +48,7 @@ import torch
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from ._collate import Field, Layout, assemble, collate, plan
-from .tiers import remove_if_exists as _unlink
+from .tiers import pid_alive as _alive, remove_if_exists as _unlink
 
 __all__ = ["BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "collate", "shm_available"]
 
@@ -279,16 +279,6 @@ def _map_existing(path: str, size: int) -> mmap.mmap:
 
 
 # ---------------------------------------------------------------- files
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _sweep() -> None:
     """Remove rings left by processes that were killed (both ends dead)."""
     try:

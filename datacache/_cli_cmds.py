@@ -20,6 +20,7 @@ from .config import CacheConfig, format_size
 from .errors import IntegrityError, NotFoundError
 from .hashing import Hasher
 from .manifest import Manifest, ShardInfo, load_manifest
+from .congestion import node_states
 from .storage import Store, open_store
 from .tiers import try_pin, unlock_close
 
@@ -44,6 +45,7 @@ def cmd_stat(ctx: Ctx) -> int:
     with NodeCache(config) as cache:
         s = cache.stats()
         entries = cache.entries()
+        stores = node_states(cache.control_dir)
     datasets: dict[str, dict[str, int]] = {}
     for key, e in entries:
         d = datasets.setdefault(key.split("/", 1)[0], {"entries": 0, "bytes": 0, "ram_entries": 0, "ram_bytes": 0,
@@ -58,7 +60,8 @@ def cmd_stat(ctx: Ctx) -> int:
                  "entries": s[f"entries_{t}"], "hits": s.get(f"hits_{t}", 0), "misses": misses[t],
                  "evictions": s.get(f"evictions_{t}", 0)} for t in ("ram", "ssd")}
     data = {"tiers": tiers, "remote_bytes": s.get("remote_bytes", 0), "fetches": s.get("fetches", 0),
-            "fetch_seconds": round(float(s.get("fetch_seconds", 0.0)), 3), "datasets": datasets, "counters": s}
+            "fetch_seconds": round(float(s.get("fetch_seconds", 0.0)), 3), "datasets": datasets, "counters": s,
+            "stores": stores}
     lines = [f"{'tier':<5} {'budget':>10} {'used':>10} {'entries':>8} {'hits':>8} {'misses':>8}  dir"]
     for t, v in tiers.items():
         budget = format_size(v["budget"]) if v["budget"] else "off"
@@ -66,6 +69,10 @@ def cmd_stat(ctx: Ctx) -> int:
                      f"{v['misses']:>8}  {v['dir']}")
     lines.append(f"remote: {format_size(data['remote_bytes'])} in {data['fetches']} fetches "
                  f"({data['fetch_seconds']:.1f} s)")
+    for st in stores:  # the node's congestion state per store prefix (datacache.congestion)
+        lines.append(f"store {st['url']}: concurrency {st['concurrency']}, {st['requests']} requests, "
+                     f"{st['throttled']} throttled, {st['throttle_seconds']:.1f} s throttled"
+                     f"{' (backing off now)' if st['backing_off'] else ''}")
     lines.append(f"datasets: {len(datasets) or 'none'}")
     for ds, d in sorted(datasets.items()):
         lines.append(f"  {ds}  {d['entries']} entries  {format_size(d['bytes'])}  "

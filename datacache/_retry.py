@@ -5,17 +5,22 @@ at what they carry, never by importing the backend: a botocore-style ``.response
 code and HTTP status), well-known class names from aiohttp/botocore/urllib3/fsspec anywhere in the
 MRO, then the builtin ``OSError`` family::
 
-    transient   5xx, 429/408, SlowDown/Throttling/RequestTimeout/InternalError, connection reset/
-                aborted/refused/closed, timeouts, incomplete reads and payload errors, short reads
+    throttled   the store asks for a lower request rate: 429, 503, SlowDown, Throttling,
+                RequestLimitExceeded, TooManyRequests... (retried; the node backs off together,
+                see :mod:`datacache.congestion`; exhausted: ``ThrottledError``)
+    transient   other 5xx, 408, RequestTimeout/InternalError, connection refused/reset/aborted/
+                closed, timeouts, incomplete reads and payload errors, short reads (retried;
+                exhausted: ``TransientStorageError``)
     not_found   404, NoSuchKey, NoSuchBucket, FileNotFoundError
     permission  403, AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch, expired tokens,
                 PermissionError
     permanent   every other error (other 4xx, local OSErrors, bugs): not retried
 
 Transient errors are retried with exponential backoff and full jitter
-(``sleep = uniform(0, min(max_delay, base_delay * 2**(attempt-1)))``), bounded by both
-``RetryConfig.attempts`` and ``RetryConfig.deadline``. Everything here is stateless or guarded by
-the caller and therefore thread-safe.
+(``sleep = uniform(0, min(max_delay, base_delay * 2**(attempt-1)))``); throttling errors are
+retried without an own sleep: the node-wide congestion gate spaces the next attempt. Both are
+bounded by ``RetryConfig.deadline`` (and ``RetryConfig.attempts`` when it is set). Everything
+here is stateless or guarded by the caller and therefore thread-safe.
 """
 from __future__ import annotations
 
@@ -32,17 +37,19 @@ from .errors import (
     NotFoundError,
     PermissionDeniedError,
     StorageError,
+    ThrottledError,
     TransientStorageError,
 )
 
-__all__ = ["Kind", "ShortReadError", "classify", "backoff_delay", "retry_call", "translate", "check_name",
-           "secret_values"]
+__all__ = ["Kind", "ShortReadError", "NodeBackoff", "RETRYABLE", "classify", "backoff_delay", "retry_call",
+           "translate", "check_name", "secret_values"]
 
 log = logging.getLogger("datacache.storage")
 _SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature")
 
 T = TypeVar("T")
-Kind = Literal["transient", "not_found", "permission", "permanent"]
+Kind = Literal["throttled", "transient", "not_found", "permission", "permanent"]
+RETRYABLE = ("throttled", "transient")
 
 NOT_FOUND_HINT = "Check the bucket name and that the prefix holds a datacache dataset (manifest.json)"
 PERMISSION_HINT = (
@@ -51,8 +58,12 @@ PERMISSION_HINT = (
 )
 PERMANENT_HINT = "This error is not retried; check the URL, the object name and storage_options"
 TRANSIENT_HINT = (
-    "The store is unavailable, throttling or the network is failing; retry later or raise "
-    "RetryConfig.attempts/deadline"
+    "The store is unavailable or the network is failing; retry later or raise RetryConfig.deadline"
+)
+THROTTLED_HINT = (
+    "The store is throttling this prefix (it asks for fewer requests per second): set "
+    "TransferConfig(max_requests_per_s=...) below its limit, read it from fewer nodes or workers, "
+    "spread the dataset over more prefixes, or raise RetryConfig.deadline"
 )
 
 _NOT_FOUND_CODES = {"404", "NoSuchKey", "NoSuchBucket", "NotFound", "NoSuchVersion", "NoSuchUpload"}
@@ -61,12 +72,17 @@ _PERMISSION_CODES = {
     "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem", "InvalidClientTokenId",
     "UnrecognizedClientException", "AuthorizationHeaderMalformed", "MissingSecurityHeader",
 }
-_TRANSIENT_CODES = {
+# Throttling codes: botocore's throttling detector's list (retryhandler / retries.standard).
+_THROTTLED_CODES = {
     "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
-    "TooManyRequests", "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded",
-    "ProvisionedThroughputExceededException", "RequestTimeout", "RequestTimeoutException",
-    "InternalError", "ServiceUnavailable", "OperationAborted", "PriorRequestNotComplete",
-    "XAmzContentSHA256Mismatch", "IncompleteBody", "500", "502", "503", "504", "408", "429",
+    "RequestThrottledException", "TooManyRequests", "TooManyRequestsException", "RequestLimitExceeded",
+    "BandwidthLimitExceeded", "LimitExceededException", "ProvisionedThroughputExceededException",
+    "TransactionInProgressException", "PriorRequestNotComplete", "EC2ThrottledException",
+    "ServiceUnavailable", "503", "429",
+}
+_TRANSIENT_CODES = {
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "OperationAborted",
+    "XAmzContentSHA256Mismatch", "IncompleteBody", "500", "502", "504", "408",
 }
 # Class names (anywhere in an exception's MRO) that mean "the transfer failed, try again".
 _TRANSIENT_NAMES = {
@@ -113,6 +129,10 @@ class ShortReadError(OSError):
     """A GET returned fewer bytes than the range asked for (transient: the transfer was cut)."""
 
 
+class NodeBackoff(OSError):
+    """The node's congestion gate would hold a request past its operation's deadline (throttled)."""
+
+
 def _chain(exc: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()
     cur: BaseException | None = exc
@@ -145,9 +165,13 @@ def _classify_one(exc: BaseException) -> Kind | None:
             return "not_found"
         if code in _PERMISSION_CODES or status == 403:
             return "permission"
-        if code in _TRANSIENT_CODES or status >= 500 or status in (408, 429):
+        if code in _THROTTLED_CODES or status in (429, 503):
+            return "throttled"
+        if code in _TRANSIENT_CODES or status >= 500 or status == 408:
             return "transient"
         return "permanent"
+    if isinstance(exc, NodeBackoff):
+        return "throttled"
     names = {cls.__name__ for cls in type(exc).__mro__}
     if names & _TRANSIENT_NAMES:
         return "transient"
@@ -192,7 +216,7 @@ def describe(exc: BaseException, redact: Callable[[str], str] = lambda s: s) -> 
     return redact(f"{type(best).__name__}: {text}")
 
 
-def translate(exc: BaseException, kind: Kind | Literal["exhausted"], *, url: str, op: str,
+def translate(exc: BaseException, kind: Kind, *, url: str, op: str,
               attempts: int, elapsed: float, redact: Callable[[str], str]) -> DatacacheError:
     """A datacache error for a backend exception: names the URL, the cause and what to do."""
     cause = describe(exc, redact)
@@ -202,16 +226,31 @@ def translate(exc: BaseException, kind: Kind | Literal["exhausted"], *, url: str
         return NotFoundError(f"{op}: {what} ({cause})", url=url, hint=NOT_FOUND_HINT)
     if kind == "permission":
         return PermissionDeniedError(f"{op}: access denied ({cause})", url=url, hint=PERMISSION_HINT)
-    if kind == "exhausted" or kind == "transient":
-        return TransientStorageError(
-            f"{op}: still failing after {attempts} attempt{'s' if attempts != 1 else ''} over "
-            f"{elapsed:.1f}s ({cause})", url=url, hint=TRANSIENT_HINT,
-        )
+    tries = f"{attempts} attempt{'s' if attempts != 1 else ''} over {elapsed:.1f}s"
+    if kind == "throttled":
+        return ThrottledError(f"{op}: the store is throttling requests, still throttled after {tries} "
+                              f"({cause})", url=url, hint=THROTTLED_HINT)
+    if kind == "transient":
+        return TransientStorageError(f"{op}: still failing after {tries} ({cause})", url=url,
+                                     hint=TRANSIENT_HINT)
     return StorageError(f"{op} failed ({cause})", url=url, hint=PERMANENT_HINT)
 
 
 _rng = random.Random()
 _rng_lock = threading.Lock()
+_WARN_EVERY = 10.0  # seconds: a long outage is reported (once per process per period), never silent
+_last_warning = [float("-inf")]
+
+
+def _warn_long_outage(op: str, url: str, kind: Kind, elapsed: float, deadline: float) -> None:
+    now = time.monotonic()
+    with _rng_lock:
+        if elapsed < _WARN_EVERY or now - _last_warning[0] < _WARN_EVERY:
+            return
+        _last_warning[0] = now
+    what = "throttling requests" if kind == "throttled" else "unavailable"
+    log.warning("%s %s: the store has been %s for %.0f s; still retrying, up to RetryConfig.deadline=%.0f s",
+                op, url, what, elapsed, deadline)
 
 
 def backoff_delay(attempt: int, policy: RetryConfig) -> float:
@@ -241,8 +280,8 @@ def retry_call(
     failure. ``DatacacheError`` raised by ``fn`` passes through untouched. Thread-safe.
     """
     t0 = time.monotonic() if started is None else started
-    attempts = max(1, policy.attempts)
-    attempt = 0
+    attempts = max(1, policy.attempts) if policy.attempts is not None else None
+    attempt, last = 0, None
     while True:
         attempt += 1
         if on_attempt is not None:
@@ -256,15 +295,20 @@ def retry_call(
         except Exception as exc:
             kind = classify(exc)
             elapsed = time.monotonic() - t0
+            # Throttled: no sleep of our own, the node's congestion gate (inside fn) spaces attempts.
             delay = backoff_delay(attempt, policy) if kind == "transient" else 0.0
-            retry = (kind == "transient" and attempt < attempts and elapsed + delay < policy.deadline
-                     and not (cancelled is not None and cancelled()))
-            err = translate(exc, "transient" if kind == "transient" else kind, url=url, op=op,
-                            attempts=attempt, elapsed=elapsed, redact=redact)
+            gated = isinstance(exc, NodeBackoff)  # fn could not even start before the deadline
+            retry = (kind in RETRYABLE and not gated and (attempts is None or attempt < attempts)
+                     and elapsed + delay < policy.deadline and not (cancelled is not None and cancelled()))
+            cause = last if gated and last is not None else exc  # the store's own answer, if any
+            err = translate(cause, kind, url=url, op=op, attempts=max(1, attempt - gated), elapsed=elapsed,
+                            redact=redact)
             if on_error is not None:
                 on_error(type(err).__name__, retry)
             if not retry:
-                raise err from exc
+                raise err from cause
+            _warn_long_outage(op, url, kind, elapsed, policy.deadline)
+            last = exc
             log.debug("%s %s: attempt %d failed (%s); retrying in %.2fs", op, url, attempt,
                       describe(exc, redact), delay)
         sleep(delay)

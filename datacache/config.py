@@ -49,15 +49,22 @@ def format_size(n: int | float) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class RetryConfig:
-    """Retry policy for transient storage errors: exponential backoff with full jitter.
+    """Retry policy for storage requests that failed for a reason that may pass.
 
-    ``attempts`` bounds the count, ``deadline`` (seconds) bounds the total time of one operation.
+    A throttled store (503 SlowDown, 429, RequestLimitExceeded...) or an unavailable one (other 5xx,
+    connection refused or reset, timeouts) is retried until ``deadline`` seconds after the
+    operation began (default 10 minutes: S3 can take minutes to repartition a hot prefix), then one
+    ``ThrottledError`` or ``TransientStorageError`` names the URL. ``attempts`` additionally bounds
+    the count when set (``None``: only the deadline counts). Permanent errors (403, 404, other 4xx)
+    are never retried. Unavailable: exponential backoff with full jitter between ``base_delay`` and
+    ``max_delay`` per operation; throttled: the node backs off as a whole (``datacache.congestion``:
+    its request window halves and its gate waits ``base_delay`` doubling up to ``max_delay``).
     """
 
-    attempts: int = 6
+    attempts: int | None = None
     base_delay: float = 0.2
     max_delay: float = 4.0
-    deadline: float = 60.0
+    deadline: float = 600.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,17 +77,26 @@ class TransferConfig:
     priority), so the shard needed next gets the link instead of sharing it with shards needed later.
     Two hide a 20 ms request latency at 50 MB/s; raise it for links with a large bandwidth x latency
     product (DataLoader workers each have their own store, so a node has workers x max_requests).
+    Every process of the node also shares one congestion window per store prefix (at most
+    ``datacache.congestion.MAX_WINDOW`` requests in flight, halved on each throttling answer).
+
+    ``max_requests_per_s``: optional budget of requests per second to this store prefix for the
+    whole node, kept by every process of the node together (a token bucket in the cache's control
+    directory); set it below the store's limit divided by the number of nodes reading the prefix.
     """
 
     part_bytes: int = 8 << 20
     concurrency: int = 8
     max_requests: int = 2
     timeout: float = 60.0
+    max_requests_per_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "part_bytes", parse_size(self.part_bytes))
         if self.part_bytes <= 0 or self.concurrency <= 0 or self.max_requests <= 0:
             raise ValueError("TransferConfig: part_bytes, concurrency and max_requests must be > 0")
+        if self.max_requests_per_s is not None and not self.max_requests_per_s > 0:
+            raise ValueError(f"TransferConfig.max_requests_per_s must be > 0 or None, got {self.max_requests_per_s!r}")
 
 
 def _user() -> str:

@@ -346,9 +346,14 @@ class StreamingDataset(tud.IterableDataset):
     def stats(self) -> dict[str, Any]:
         """Node-wide cache counters plus this process's consumer: wait seconds, prefetch depth.
         ``storage_retries``: retried storage requests (every consumer's finished epochs on the node,
-        plus this process's so far)."""
+        plus this process's so far). ``storage_throttled``, ``storage_throttle_seconds``,
+        ``storage_concurrency``: the node's throttling answers from this store prefix, seconds spent
+        throttled, and its congestion window now (``datacache.congestion``)."""
         out = self.cache.stats()
         out["storage_retries"] = int(out.get("storage_retries", 0)) + self._unflushed_retries()
+        cong = self.store.congestion.stats()
+        out.update(storage_throttled=cong["throttled"], storage_throttle_seconds=cong["throttle_seconds"],
+                   storage_concurrency=cong["concurrency"])
         c = self._consumer
         if c is not None:
             out["consumer_wait_seconds"] = c.decoder.wait_seconds

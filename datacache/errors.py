@@ -4,7 +4,8 @@ Every error names the URL or path it concerns, says what was expected, and what 
 
     DatacacheError                  base class; ``.url`` is the URL or path concerned (may be None)
     +-- StorageError                the object store could not serve a request
-    |   +-- TransientStorageError   5xx, throttling, resets, timeouts: retries were exhausted
+    |   +-- TransientStorageError   5xx, refused or reset connections, timeouts: retries were exhausted
+    |   |   +-- ThrottledError      the store kept throttling (503 SlowDown, 429...) until the deadline
     |   +-- NotFoundError           404, no such bucket or key (also a FileNotFoundError)
     |   +-- PermissionDeniedError   403, missing or wrong credentials (also a PermissionError)
     |   +-- ReadCancelledError      a read its caller abandoned (Ctrl-C, closed prefetcher): not retried
@@ -33,6 +34,7 @@ __all__ = [
     "DatacacheError",
     "StorageError",
     "TransientStorageError",
+    "ThrottledError",
     "NotFoundError",
     "PermissionDeniedError",
     "ReadCancelledError",
@@ -62,6 +64,11 @@ class StorageError(DatacacheError):
 
 class TransientStorageError(StorageError):
     """A retryable failure (5xx, throttling, connection reset, timeout) that outlasted the retries."""
+
+
+class ThrottledError(TransientStorageError):
+    """The store kept answering "slow down" (503 SlowDown, 429, RequestLimitExceeded...) until the
+    retry deadline: lower the request rate (``TransferConfig.max_requests_per_s``) or raise it."""
 
 
 class NotFoundError(StorageError, FileNotFoundError):

@@ -10,6 +10,9 @@ with ``ShardSource.open`` and goes through it:
 - every failure is one ``datacache`` error naming the shard's URL: a reader failure is a
   ``datacache.ReaderError``, a count or content mismatch an ``IntegrityError``.
 
+The store's congestion state (``datacache.congestion``) is shared by every process of the node
+through the cache's control directory, so all of them back off together from a throttling store.
+
 ``tell_plan`` is the one place where a dataset tells the cache its future reads. The node-level
 schedule helpers (which shards each consumer of the node reads, and when) live in ``nodeplan``.
 
@@ -78,10 +81,12 @@ class ShardSource:
         store = open_store(url, dict(storage_options or {}), transfer=transfer, retry=retry)
         try:
             manifest = load_manifest(store)
+            node_cache = make_cache(cache)
         except BaseException:
             store.close()
             raise
-        return cls(store, manifest, make_cache(cache), reader_options=reader_options)
+        store.share_congestion(node_cache.control_dir)  # every process of the node backs off together
+        return cls(store, manifest, node_cache, reader_options=reader_options)
 
     def url(self, shard: int) -> str:
         """The URL of shard number ``shard``."""

@@ -16,8 +16,14 @@ ranged GET in flight is cancelled on fsspec's event loop (its connection is drop
 50 ms (``_cancel``), parts not started are not started, and ``ReadCancelledError`` is raised.
 A part that fails also cancels its siblings that way.
 
+Congestion: every request also takes a place in the prefix's congestion window
+(:mod:`datacache.congestion`; AIMD, a backoff gate after throttling answers, an optional
+``max_requests_per_s`` budget), private to the process unless ``share_congestion(control_dir)``
+makes it node-wide (``ShardSource.open`` does, with the node cache's control directory).
+
 Reliability: every backend call goes through one bounded retry policy (:mod:`datacache._retry`,
-``RetryConfig``: attempts AND deadline, exponential backoff with full jitter). s3fs's and botocore's
+``RetryConfig``: until a deadline, exponential backoff with full jitter; throttling answers are
+spaced by the node's congestion gate instead). s3fs's and botocore's
 own retries are switched off (``S3FileSystem.retries = 1`` and botocore ``total_max_attempts=1``; s3fs still
 sleeps ~0.1 s once after a throttling error) so that policy is the only one that counts and its
 bounds are real. Backend errors are translated where they enter (``raise X(...) from exc``) into
@@ -42,7 +48,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
-from contextlib import suppress
+from contextlib import nullcontext, suppress
 from itertools import count
 from typing import Any, Callable
 
@@ -52,6 +58,7 @@ from fsspec.core import split_protocol
 from ._cancel import cat_range
 from ._slots import PrioritySlots
 from ._retry import ShortReadError, check_name as _check_name, error_code, retry_call, secret_values
+from .congestion import Congestion
 from .config import RetryConfig, TransferConfig
 from .errors import IntegrityError, NotFoundError, StorageError
 
@@ -162,8 +169,18 @@ class Store:
         self._pool_size = max(c, self.transfer.max_requests, min(64, 4 * c))
         self._options = _fs_options(self.protocol, storage_options, self.transfer, self._pool_size)
         self._secret_values = secret_values(storage_options)
+        self.congestion = self._congestion(None)
         self._init_state()
         _stores.add(self)
+
+    def _congestion(self, control_dir: str | None) -> Congestion:
+        return Congestion(self.url, control_dir, base_delay=self.retry.base_delay, max_delay=self.retry.max_delay,
+                          max_requests_per_s=self.transfer.max_requests_per_s)
+
+    def share_congestion(self, control_dir: str) -> None:
+        """Back off together with every process of the node: keep this prefix's congestion state
+        (``datacache.congestion``) in a node cache's ``control_dir``. Call before the first read."""
+        self.congestion = self._congestion(control_dir)
 
     def _init_state(self) -> None:
         self._lock = threading.Lock()
@@ -205,7 +222,7 @@ class Store:
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in ("protocol", "url", "transfer", "retry", "_pool_size",
-                                               "_options", "_secret_values")}
+                                               "_options", "_secret_values", "congestion")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -267,11 +284,19 @@ class Store:
                 self._stats["retries"] += 1
 
     def _call(self, op: str, name: str, fn: Callable[[Any, str], Any], *, started: float | None = None,
-              cancelled: Callable[[], bool] | None = None) -> Any:
-        """Run ``fn(fs, path)`` under the retry policy; errors are translated here."""
+              cancelled: Callable[[], bool] | None = None, priority: float | None = None) -> Any:
+        """Run ``fn(fs, path)`` under the retry policy; errors are translated here. Each attempt
+        is one request: a request slot of this process (with a ``priority``: ranged GETs, in plan
+        order), then a place in the node's congestion window, which learns its outcome."""
         fs, _ = self._ensure()
         path = self._root + name
-        return retry_call(lambda: fn(fs, path), self.retry, url=self.url_of(name), op=op,
+        started = time.monotonic() if started is None else started
+
+        def attempt() -> Any:
+            with self._requests.hold(priority) if priority is not None else nullcontext(), \
+                    self.congestion.request(started + self.retry.deadline, cancelled):
+                return fn(fs, path)
+        return retry_call(attempt, self.retry, url=self.url_of(name), op=op,
                           redact=self._redact, started=started, cancelled=cancelled,
                           on_attempt=lambda: self._bump("requests"), on_error=self._on_error)
 
@@ -396,9 +421,12 @@ class Store:
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process: requests (attempts), retries, bytes_read, bytes_written,
-        errors (count of failed attempts by datacache error class)."""
+        errors (count of failed attempts by datacache error class); and ``congestion``: the
+        congestion state of this prefix (node-wide once shared, see ``share_congestion``)."""
         with self._lock:
-            return {**self._stats, "errors": dict(self._stats["errors"])}
+            out = {**self._stats, "errors": dict(self._stats["errors"])}
+        out["congestion"] = self.congestion.stats()
+        return out
 
     def close(self) -> None:
         """Release the thread pool and filesystem. Idempotent; later calls raise StorageError."""
@@ -407,6 +435,7 @@ class Store:
             pool, self._pool, self._fs = self._pool, None, None
         if pool is not None and self._pid == os.getpid():
             pool.shutdown(wait=False, cancel_futures=True)
+        self.congestion.close()
 
     # -- ranged reads -----------------------------------------------------------------------
     def _read_part(self, name: str, start: int, end: int, total: int | None, started: float,
@@ -417,13 +446,12 @@ class Store:
         extra = 1 if total is not None and end == total else 0
 
         def get(fs: Any, path: str) -> bytes:
-            with self._requests.hold(priority):  # the part needed soonest goes first
-                try:
-                    data = cat_range(fs, path, start, end + extra, cancelled, self.url_of(name))
-                except Exception as exc:
-                    if error_code(exc) != "InvalidRange":
-                        raise
-                    data = b""  # 416: the range starts past the object's end; the size check below says why
+            try:
+                data = cat_range(fs, path, start, end + extra, cancelled, self.url_of(name))
+            except Exception as exc:
+                if error_code(exc) != "InvalidRange":
+                    raise
+                data = b""  # 416: the range starts past the object's end; the size check below says why
             if len(data) > want:
                 raise IntegrityError(f"object is larger than the expected {total} bytes", url=self.url_of(name),
                                      hint="The object was replaced; rebuild or refresh the manifest")
@@ -436,7 +464,8 @@ class Store:
                 raise ShortReadError(f"short read: got {len(data)} of {want} bytes at offset {start}")
             return data
 
-        data = self._call("read", name, get, started=started, cancelled=cancelled)
+        # the part needed soonest gets a request slot first
+        data = self._call("read", name, get, started=started, cancelled=cancelled, priority=priority)
         self._bump("bytes_read", len(data))
         return data
 

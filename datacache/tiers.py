@@ -32,14 +32,25 @@ import xxhash
 from .config import format_size
 from .errors import CacheError
 
-__all__ = ["Tier", "ensure_private_dir", "key_id", "KeyLock", "try_pin", "lock_nonblocking", "unlock_close",
-           "remove_if_exists", "GONE", "BUSY", "NO_SPACE_ERRNOS"]
+__all__ = ["pid_alive", "Tier", "ensure_private_dir", "key_id", "KeyLock", "try_pin", "lock_nonblocking",
+           "unlock_close", "remove_if_exists", "GONE", "BUSY", "NO_SPACE_ERRNOS"]
 
 log = logging.getLogger("datacache.cache")
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _MIN_TIER_BYTES = 16 << 20
 _FREE_SHARE = 0.9
+
+
+def pid_alive(pid: int) -> bool:
+    """True if process ``pid`` exists (also when it belongs to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def key_id(key: str) -> str:

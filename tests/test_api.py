@@ -12,7 +12,8 @@ EXPECTED = {
     "__version__", "write_dataset", "DatasetWriter", "Manifest", "ShardInfo", "load_manifest", "open_store", "Store",
     "NodeCache", "CacheHandle", "LRUPolicy", "ClairvoyantPolicy", "Schedule", "StreamingDataset", "CachedDataset", "CacheConfig",
     "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size", "DatacacheError", "StorageError",
-    "TransientStorageError", "NotFoundError", "PermissionDeniedError", "ManifestError", "IntegrityError",
+    "TransientStorageError", "ThrottledError", "NotFoundError", "PermissionDeniedError", "ManifestError",
+    "IntegrityError",
     "ReaderError", "CacheError", "DatasetExistsError",
 }
 
@@ -26,7 +27,7 @@ def test_all_is_guarded() -> None:
 def test_every_module_declares_all() -> None:
     for mod in ("datacache.cache", "datacache.config", "datacache.dataset", "datacache.errors", "datacache.eviction",
                 "datacache.manifest", "datacache.mapped", "datacache.plan", "datacache.prefetch", "datacache.resume",
-                "datacache.storage", "datacache.writer", "datacache.shards", "datacache.nodeplan",
+                "datacache.storage", "datacache.writer", "datacache.shards", "datacache.nodeplan", "datacache.congestion",
                 "readers", "readers.codec"):
         m = importlib.import_module(mod)
         for name in m.__all__:

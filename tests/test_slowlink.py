@@ -186,6 +186,34 @@ def test_fail_every_answers_503_without_reaching_the_server(link: Any, origin: A
         assert exchange(s, "GET", "/10")[0].startswith(b"HTTP/1.1 200")
 
 
+def test_throttle_window_cuts_open_connections_and_answers_503_until_it_ends(link: Any, origin: Any) -> None:
+    lk = link()
+    held = socket.create_connection(("127.0.0.1", lk.port))
+    assert exchange(held, "GET", "/10")[0].startswith(b"HTTP/1.1 200")
+    before = origin.seen
+    lk.throttle(3.0)
+    assert lk.throttling
+    held.settimeout(10)
+    try:  # the open connection is cut when the window begins (a reset; EOF if the RST raced)
+        assert held.recv(10) == b""
+    except ConnectionResetError:
+        pass
+    held.close()
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", lk.port)) as s:
+            head, body, _, _ = exchange(s, "GET", "/10")
+            assert head.startswith(b"HTTP/1.1 503") and b"<Code>SlowDown</Code>" in body
+    assert origin.seen == before and len(lk.throttled_at) >= 3  # nothing reached the server
+    assert lk.throttled_at == sorted(lk.throttled_at) and lk.throttled_at[-1] < 3.0
+    deadline = time.monotonic() + 30
+    while lk.throttling:  # the window ends by itself
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with socket.create_connection(("127.0.0.1", lk.port)) as s:
+        assert exchange(s, "GET", "/10")[0].startswith(b"HTTP/1.1 200")
+    assert origin.seen == before + 1
+
+
 def test_reset_every_cuts_the_response_mid_body(link: Any) -> None:
     lk = link(reset_every=1)
     with socket.create_connection(("127.0.0.1", lk.port)) as s:

@@ -146,7 +146,8 @@ def test_transient_503_is_retried(s3_server: Any, s3_store_url: str, slowlink: A
         assert store.read_bytes("o.bin") == data
         stats = store.stats()
     assert link.injected >= 1 and stats["retries"] >= 1
-    assert stats["errors"].get("TransientStorageError", 0) == stats["retries"]
+    assert stats["errors"].get("ThrottledError", 0) == stats["retries"]  # 503 SlowDown is throttling
+    assert stats["congestion"]["throttled"] == stats["retries"] and stats["congestion"]["throttle_seconds"] > 0
 
 
 def test_connection_reset_mid_body_is_retried(s3_server: Any, s3_store_url: str, slowlink: Any,
@@ -281,8 +282,15 @@ class _FakeClientError(Exception):
 
 
 @pytest.mark.parametrize("exc, kind", [
-    (_FakeClientError("SlowDown", 503), "transient"),
+    (_FakeClientError("SlowDown", 503), "throttled"),
+    (_FakeClientError("RequestLimitExceeded", 400), "throttled"),
+    (_FakeClientError("Throttling", 400), "throttled"),
+    (_FakeClientError("TooManyRequests", 429), "throttled"),
+    (_FakeClientError("", 503), "throttled"),
     (_FakeClientError("InternalError", 500), "transient"),
+    (_FakeClientError("", 502), "transient"),
+    (ConnectionRefusedError(111, "refused"), "transient"),
+    (_FakeClientError("AccessDenied", 403), "permission"),
     (_FakeClientError("NoSuchKey", 404), "not_found"),
     (_FakeClientError("NoSuchBucket", 404), "not_found"),
     (_FakeClientError("SignatureDoesNotMatch", 403), "permission"),

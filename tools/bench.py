@@ -1,6 +1,6 @@
 """datacache against its peers on one emulated WAN link: ``python tools/bench.py --out DIR``.
 
-    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw]
+    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle] [--storm 30]
                           [--systems datacache,streaming,litdata,fsspec] [--reps 3] [--profile SCENARIO] --out DIR
 
 Install: ``pip install -c constraints.txt -e '.[bench]'`` (constraints.txt pins the installed torch,
@@ -24,6 +24,9 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
 - ranks: ``torchrun --nproc_per_node=2`` (gloo) x 2 workers, cold: the node's remote bytes.
 - small: 100 MB of 1 KiB samples, batch 256, warm, no compute: samples/s.
 - raw: warm, no compute, 64 KiB samples: GB/s against the memcpy bound.
+- throttle: cold, and once half of D has crossed the link the store throttles for ``--storm``
+  seconds (every request answered 503 SlowDown, open connections cut: ``SlowLink.throttle``):
+  wall time, requests answered 503, every sample exactly once.
 
 Bounds, measured in the same run: link = needed bytes / bandwidth; compute = batches x step time;
 memcpy = D bytes copied in RAM (numpy, best of 3). Output: ``DIR/results.jsonl`` (one line per
@@ -58,7 +61,7 @@ from tools import bench_report  # noqa: E402
 SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 VARIANTS = {"datacache": ("default",), "streaming": ("default", "tuned"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
-SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw")
+SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle")
 RUNNER = os.path.join(ROOT, "tools", "bench_systems.py")
 # A new tag when a system's written format changes, so DIR/s3 never serves a stale layout
 # (datacache: incompressible blocks stored raw since the raw-block format).
@@ -84,6 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compute", type=float, default=0.02, help="simulated compute per batch, s")
     p.add_argument("--bandwidth", default="50MB", help="link bandwidth, bytes/s, shared by all connections")
     p.add_argument("--latency", type=float, default=0.02, help="per-request latency, s")
+    p.add_argument("--storm", type=float, default=30.0, help="throttle scenario: seconds of 503 SlowDown")
     p.add_argument("--profile", metavar="SCENARIO", help="also run datacache under a profiler for SCENARIO")
     p.add_argument("--profiler", choices=("auto", "py-spy", "pyinstrument"), default="auto",
                    help="auto: py-spy if installed (every process and thread), else pyinstrument (main process)")
@@ -123,7 +127,44 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
         sc["phases"] = ["measured"] * 3
     if name == "ranks":
         sc["ranks"] = 2
+    if name == "throttle":
+        sc.update(storm=a.storm, storm_at=0.5)  # the storm begins once D/2 has crossed the link
     return sc
+
+
+def storm_watch(link: Any, sc: dict[str, Any], D: int) -> tuple[threading.Event, threading.Thread, list]:
+    """For a scenario with a storm: a thread that throttles the link once ``storm_at`` x D bytes
+    crossed it, then samples the link's bytes (seconds since the storm began, bytes) every 50 ms
+    into the returned list; set the event to stop it."""
+    done, timeline = threading.Event(), []
+
+    def watch() -> None:
+        while not done.wait(0.02):
+            if link.snapshot()["bytes_down"] >= sc["storm_at"] * D:
+                link.throttle(sc["storm"])
+                began = time.monotonic()
+                while not done.wait(0.05):
+                    timeline.append((time.monotonic() - began, link.snapshot()["bytes_down"]))
+                return
+    t = threading.Thread(target=watch, name="bench-storm", daemon=True)
+    if sc.get("storm"):
+        t.start()
+    return done, t, timeline
+
+
+def storm_figures(link: Any, storm: float, timeline: list, bandwidth: float) -> dict[str, Any]:
+    """Requests answered 503, the node's request rate after the storm's first 5 s, and how soon
+    after the storm bytes flowed again and the link ran at 80 % of its rate (over 0.5 s)."""
+    late = sum(t >= 5 for t in link.throttled_at)
+    out: dict[str, Any] = {"storm": storm, "throttled_requests": len(link.throttled_at),
+                           "late_requests_per_s": round(late / max(storm - 5, 1e-9), 3)}
+    after = [(t, b) for t, b in timeline if t >= storm]
+    if after:
+        b0 = after[0][1]
+        out["resumed_s"] = next((round(t - storm, 2) for t, b in after if b > b0), None)
+        out["full_rate_s"] = next((round(t - storm, 2) for i, (t, b) in enumerate(after)
+                                   for t2, b2 in after[i + 10:i + 11] if (b2 - b) >= 0.8 * bandwidth * (t2 - t)), None)
+    return out
 
 
 # ---------------------------------------------------------------- infrastructure
@@ -289,9 +330,14 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     path = os.path.join(a.tmp, f"{sc['name']}-{label}-r{rep}")
     link.reset_counters()
     t0 = time.time()
+    storm_done, storm, storm_timeline = storm_watch(link, sc, D)
     try:
         res = launch("run", spec, path, timeout=a.run_timeout, ranks=sc["ranks"], wrap=wrap)
     finally:
+        storm_done.set()
+        storm.join() if storm.is_alive() else None
+        if link.throttling:  # a storm never outlives its run
+            link.throttle(0)
         shutil.rmtree(cache_dir, ignore_errors=True)
         shutil.rmtree(spec["ssd_dir"], ignore_errors=True)
     run_bytes = link.snapshot()["bytes_down"]
@@ -301,6 +347,8 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
               "shard_bytes": a.shard_bytes, "batch_size": sc["batch_size"], "workers": sc["workers"],
               "ranks": sc["ranks"], "bandwidth": a.bandwidth, "latency": a.latency, "memcpy_rate": ctx["memcpy_rate"],
               "run_remote_bytes": run_bytes, "run_seconds": time.time() - t0}
+    if sc.get("storm"):
+        common.update(storm_figures(link, sc["storm"], storm_timeline, a.bandwidth))
     out = []
     for r in res["records"]:
         rec = {**base, **common, **r}

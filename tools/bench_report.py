@@ -19,7 +19,7 @@ ORDER = ("datacache", "streaming", "streaming+tuned", "litdata", "litdata+tuned"
 
 
 def _needed_bytes(scenario: str, epoch_index: int, D: int, C: int | None) -> int:
-    if scenario in ("cold", "ranks"):
+    if scenario in ("cold", "ranks", "throttle"):
         return D
     if scenario == "limited":
         return D if epoch_index == 0 else D - (C or 0)
@@ -42,14 +42,17 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
     compute = sum(r["compute"] for r in m)
     memcpy = D * len(m) / r0["memcpy_rate"]
     remote = [r["remote_bytes"] for r in m]
-    if sc in ("cold", "ranks"):
+    if sc in ("cold", "ranks", "throttle"):
         remote = [r0["run_remote_bytes"]]  # the whole process: dataset open + epoch
     samples = sum(r["samples"] for r in m)
     return {"wall": wall, "wait_pct": 100 * sum(r["wait"] for r in m) / wall, "remote": remote,
             "samples_s": samples / wall, "samples": samples, "first_batch": m[0].get("first_batch") or 0.0,
             "gb_s": samples * r0["sample_bytes"] / wall / 1e9,
             "memcpy_gb_s": r0["memcpy_rate"] / 1e9, "link": link, "compute": compute, "memcpy": memcpy,
-            "bound": max(link, compute, memcpy), "D": D, "C": C}
+            "bound": max(link, compute, memcpy), "D": D, "C": C,
+            "exactly_once": all(r["samples"] == r0["n"] == r.get("unique_samples", r0["n"]) for r in m),
+            **({"throttled": r0["throttled_requests"], "storm": r0["storm"],
+                "late_rate": r0["late_requests_per_s"]} if "storm" in r0 else {})}
 
 
 def medians(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -96,12 +99,20 @@ def targets(sc: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> st
         best = max((p["samples_s"] for p in peers.values() if "failed" not in p), default=None)
         if best is not None:
             checks.append((dc["samples_s"] >= 2 * best, f"{dc['samples_s'] / best:.2f}x best peer samples/s (>=2)"))
+    elif sc == "throttle":
+        checks += [(dc["exactly_once"] == 1, "every sample exactly once"),
+                   (dc["throttled"] > 0, f"{dc['throttled']:.0f} requests throttled in a {dc['storm']:.0f} s storm"),
+                   (dc["late_rate"] <= 2, f"{dc['late_rate']:.2f} requests/s after its first 5 s (<=2)"),
+                   (dc["wall"] <= dc["link"] + dc["storm"] + 10, f"wall {dc['wall']:.1f} s <= link + storm + 10 s")]
     elif sc == "raw":
         frac = dc["gb_s"] / dc["memcpy_gb_s"]
         checks.append((frac >= 0.25, f"{100 * frac:.0f}% of memcpy (>=25%)"))
     for family in PEERS:
-        fam = [p for name, p in peers.items() if name.split("+")[0] == family and "failed" not in p]
-        if fam:
+        ran = [p for name, p in peers.items() if name.split("+")[0] == family and "failed" not in p]
+        fam = [p for p in ran if p.get("exactly_once", 1) == 1]  # a run that lost samples is no rival
+        if ran and not fam:
+            checks.append((True, f"ahead of {family} (not every sample exactly once)"))
+        elif fam:
             best = min(p["wall"] for p in fam)
             checks.append((dc["wall"] < best, f"{'ahead of' if dc['wall'] < best else 'behind'} {family} "
                                               f"({best / dc['wall']:.2f}x)"))
@@ -127,6 +138,8 @@ def table(meds: dict[tuple[str, str], dict[str, Any]], scenarios: list[str]) -> 
             remote = " / ".join(f"{b / 1e6:.1f}" for b in m["remote"])
             thr = f"{m['samples_s']:,.0f} samples/s" if sc == "small" else \
                 f"{m['gb_s']:.2f} GB/s ({100 * m['gb_s'] / m['memcpy_gb_s']:.0f}% memcpy)" if sc == "raw" else \
+                f"{m['samples_s']:,.0f} samples/s, {m['throttled']:.0f} throttled requests, " \
+                f"{'exactly once' if m['exactly_once'] == 1 else 'NOT exactly once'}" if sc == "throttle" else \
                 f"{m['samples_s']:,.0f} samples/s"
             tgt = targets(sc, m, peers) if s == "datacache" else ""
             ratio = f"{m['wall'] / m['bound']:.2f}" if m["bound"] > 0 else "-"
@@ -252,8 +265,10 @@ def progress_line(recs: list[dict[str, Any]]) -> str:
     if "failed" in s:
         return f"{head} {s['failed'][:300]}"
     remote = "/".join(f"{b / 1e6:.1f}" for b in s["remote"])
+    storm = (f", {s['throttled']} requests throttled in a {s['storm']:.0f} s storm, "
+             f"{'exactly once' if s['exactly_once'] else 'NOT exactly once'}") if "storm" in s else ""
     return (f"{head} wall {s['wall']:.2f} s (bound {s['bound']:.2f}), wait {s['wait_pct']:.1f}% (first batch "
-            f"{s['first_batch']:.2f} s), remote {remote} MB, {s['samples_s']:,.0f} samples/s")
+            f"{s['first_batch']:.2f} s), remote {remote} MB, {s['samples_s']:,.0f} samples/s{storm}")
 
 
 def summarize_profile(base: str, top: int = 25) -> str:

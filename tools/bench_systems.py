@@ -279,9 +279,9 @@ def meter(url: str) -> dict[str, int]:
 STALL_S = 90.0
 
 
-def _batch_len(batch: Any) -> int:
+def _batch_ids(batch: Any) -> list[int]:
     v = batch["id"] if isinstance(batch, dict) else batch[0]
-    return len(v)
+    return [int(i) for i in (v.tolist() if hasattr(v, "tolist") else v)]
 
 
 def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[], None],
@@ -294,7 +294,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     wait, first, aborted = 0.0, None, None
     batches = samples = 0
     it = None
-    stop, tripped, timeline, arrivals = threading.Event(), [], [], []
+    stop, tripped, timeline, arrivals, seen = threading.Event(), [], [], [], set()
 
     def watchdog() -> None:  # samples the link; interrupts the loop (even in next()) once the epoch
         last = (0, 0, time.perf_counter())  # thrashes, or stalls (no batch and no byte for STALL_S)
@@ -325,7 +325,9 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
             wait += time.perf_counter() - ta
             first = time.perf_counter() - t0 if first is None else first
             arrivals.append(round(time.perf_counter() - t0, 4))
-            samples += _batch_len(batch)
+            ids = _batch_ids(batch)
+            samples += len(ids)
+            seen.update(ids)
             batches += 1
             if compute:
                 time.sleep(compute)  # the simulated training step
@@ -340,7 +342,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     wall = time.perf_counter() - t0  # the node's wall: until the last rank is done
     m1 = meter(meter_url)
     return {"wall": wall, "own_wall": own, "wait": wait, "first_batch": first, "compute": batches * compute,
-            "batches": batches, "samples": samples, "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
+            "batches": batches, "samples": samples, "unique_samples": len(seen), "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
             "requests": m1["requests"] - m0["requests"], "link_timeline": timeline, "batch_times": arrivals,
             **({"aborted": aborted} if aborted else {})}
 

@@ -14,6 +14,10 @@
   ``reset_every`` (every Nth request's response is cut by a TCP reset after a few KB),
   ``latency_spike=(N, seconds)`` (every Nth request is delayed that much longer); each injected
   fault increments ``injected``;
+* throttle window: ``throttle(seconds)`` cuts every open connection (TCP reset) and answers every
+  request started in the next ``seconds`` with ``503 Slow Down`` (an S3 XML error body), like a
+  store repartitioning a hot prefix; ``throttled_at`` lists when each such answer was given
+  (seconds since the window began) and ``throttling`` says whether the window is open;
 * ``retarget(host, port)``: new connections go to another server from then on (a restarted store
   on new ports keeps the same endpoint behind the proxy).
 
@@ -89,6 +93,7 @@ class SlowLink:
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
         self._next_free = 0.0  # virtual clock of the shared downlink
+        self._window = (0.0, 0.0)  # throttle window: (start, end) in time.monotonic()
         self._stopped = False
         self.reset_counters()
 
@@ -98,6 +103,7 @@ class SlowLink:
         with self._lock:
             self.bytes_down = self.bytes_up = self.requests = self.gets = self.injected = 0
             self.connections = 0
+            self.throttled_at: list[float] = []
 
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy of the counters."""
@@ -122,6 +128,22 @@ class SlowLink:
         """Forward connections opened from now on to ``host:port``; open ones keep their server."""
         with self._lock:
             self.target_host, self.target_port = host, port
+
+    def throttle(self, seconds: float) -> None:
+        """Cut every open connection now and answer 503 SlowDown to each request for ``seconds``."""
+        assert self._loop is not None, "start() the link first"
+        now = time.monotonic()
+        with self._lock:
+            self._window = (now, now + seconds)
+
+        def cut() -> None:
+            for conn in list(self._conns):
+                self._close(conn, reset=True)
+        self._loop.call_soon_threadsafe(cut)
+
+    @property
+    def throttling(self) -> bool:
+        return time.monotonic() < self._window[1]
 
     # -- lifecycle ----------------------------------------------------------------------------
     def __enter__(self) -> "SlowLink":
@@ -276,7 +298,13 @@ class SlowLink:
             self._add(injected=1)
         if delay > 0:
             await asyncio.sleep(delay)
-        if fail and n % fail == 0:
+        now = time.monotonic()
+        with self._lock:
+            start, end = self._window
+            storm = start <= now < end
+            if storm:
+                self.throttled_at.append(now - start)
+        if storm or (fail and n % fail == 0):
             self._add(injected=1)
             conn.client_w.write(_slowdown_response(n, data.startswith(b"HEAD ")))
             await conn.client_w.drain()
