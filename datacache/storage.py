@@ -43,12 +43,11 @@ restart from zero in the child.
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
 import weakref
-from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
-from contextlib import nullcontext, suppress
+from concurrent.futures import CancelledError, ThreadPoolExecutor
+from contextlib import nullcontext
 from itertools import count
 from typing import Any, Callable
 
@@ -56,6 +55,7 @@ import fsspec
 from fsspec.core import split_protocol
 
 from ._cancel import cat_range
+from ._fsutil import S3, abandon_inherited, botocore_loader, fs_options, read_parts, replace_local
 from ._slots import PrioritySlots
 from ._retry import ShortReadError, check_name as _check_name, error_code, retry_call, secret_values
 from .congestion import Congestion
@@ -64,11 +64,8 @@ from .errors import IntegrityError, NotFoundError, StorageError
 
 __all__ = ["open_store", "Store"]
 
-_S3 = {"s3", "s3a"}
-_NO_LISTING_CACHE = _S3 | {"gs", "gcs", "abfs", "az", "http", "https"}
 _thread_ids = count()
 _stores: "weakref.WeakSet[Store]" = weakref.WeakSet()
-_inherited: list[Any] = []  # the parent's filesystem objects, kept alive (never closed) in a child
 
 
 def _after_fork_in_child() -> None:
@@ -76,28 +73,8 @@ def _after_fork_in_child() -> None:
         store._reset_after_fork()
 
 
-def _abandon(fs: Any) -> None:
-    """Keep a filesystem inherited across fork alive and unfinalized in the child: closing it here
-    (s3fs's finalizer closes aiohttp transports) would unregister the parent's sockets from the
-    epoll instance parent and child share, and the parent's next reads would hang."""
-    _inherited.append(fs)
-    for fin in list(getattr(weakref.finalize, "_registry", {})):
-        info = fin.peek()
-        if info is not None and info[0] is fs:
-            fin.detach()
-
-
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _botocore_loader(fs: Any) -> Any:
-    """The botocore data loader of an s3fs filesystem's session (pure data, safe to share after fork)."""
-    session = getattr(fs, "session", None)
-    try:
-        return session.get_component("data_loader") if session is not None else None
-    except Exception:  # noqa: BLE001 - not a botocore session
-        return None
 
 
 def _normalize(url: str) -> tuple[str, str]:
@@ -109,46 +86,6 @@ def _normalize(url: str) -> tuple[str, str]:
         local = os.path.abspath(os.path.expanduser(path))
         return "file", "file://" + local.rstrip("/") + "/"
     return protocol, url.rstrip("/") + "/"
-
-
-def _fs_options(protocol: str, storage_options: dict | None, transfer: TransferConfig,
-                pool_size: int) -> dict[str, Any]:
-    opts = dict(storage_options or {})
-    opts.setdefault("skip_instance_cache", True)
-    if protocol in _NO_LISTING_CACHE:
-        opts.setdefault("use_listings_cache", False)
-    if protocol == "file":
-        opts.setdefault("auto_mkdir", True)
-    if protocol in _S3:
-        client_kwargs = dict(opts.get("client_kwargs") or {})
-        env = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if env and "endpoint_url" not in client_kwargs and not opts.get("endpoint_url"):
-            client_kwargs["endpoint_url"] = env
-        opts["client_kwargs"] = client_kwargs
-        config = dict(opts.get("config_kwargs") or {})
-        config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
-        config.setdefault("connect_timeout", min(transfer.timeout, 10.0))
-        config.setdefault("read_timeout", transfer.timeout)
-        config.setdefault("max_pool_connections", max(10, pool_size))
-        opts["config_kwargs"] = config
-    return opts
-
-
-def _replace_local(path: str, data: bytes) -> None:
-    """Atomically create or replace the local file ``path``: temp file, fsync, ``os.replace``."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def open_store(url: str, storage_options: dict | None = None, *, transfer: TransferConfig | None = None,
@@ -167,7 +104,7 @@ class Store:
         self.retry = retry or RetryConfig()
         c = self.transfer.concurrency
         self._pool_size = max(c, self.transfer.max_requests, min(64, 4 * c))
-        self._options = _fs_options(self.protocol, storage_options, self.transfer, self._pool_size)
+        self._options = fs_options(self.protocol, storage_options, self.transfer, self._pool_size)
         self._secret_values = secret_values(storage_options)
         self.congestion = self._congestion(None)
         self._init_state()
@@ -199,9 +136,9 @@ class Store:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         if self._fs is not None:
-            if self.protocol in _S3:
-                self._botocore_loader = _botocore_loader(self._fs)
-            _abandon(self._fs)
+            if self.protocol in S3:
+                self._botocore_loader = botocore_loader(self._fs)
+            abandon_inherited(self._fs)
         self._fs, self._pool = None, None
         self._stats = {"requests": 0, "retries": 0, "bytes_read": 0, "bytes_written": 0, "errors": {}}
 
@@ -262,7 +199,7 @@ class Store:
                         f"cannot create a {self.protocol!r} filesystem ({self._redact(f'{type(exc).__name__}: {exc}')})",
                         url=self.url, hint="Check the URL scheme and storage_options; a missing backend "
                         "package (s3fs, gcsfs, adlfs) must be installed") from exc
-                if self.protocol in _S3:
+                if self.protocol in S3:
                     fs.retries = 1  # one attempt per s3fs call (not an __init__ option): RetryConfig rules
                 self._root = fs._strip_protocol(self.url).rstrip("/") + "/"
                 self._fs = fs
@@ -383,7 +320,7 @@ class Store:
         or the new one, never a part (one PUT on object stores; on local file systems a temp file in
         the same directory, fsync, ``os.replace``)."""
         data = bytes(data)
-        self._call("write", name, lambda fs, p: _replace_local(p, data) if self.protocol == "file"
+        self._call("write", name, lambda fs, p: replace_local(p, data) if self.protocol == "file"
                    else fs.pipe_file(p, data))
         self._bump("bytes_written", len(data))
 
@@ -480,37 +417,13 @@ class Store:
                 raise IntegrityError("object is larger than the expected 0 bytes", url=self.url_of(name),
                                      hint="The object was replaced; rebuild or refresh the manifest")
             return
-        step = self.transfer.part_bytes
-        parts = [(off, min(off + step, size)) for off in range(0, size, step)]
         _, pool = self._ensure()
-        failed = threading.Event()
-        stop = failed.is_set if cancelled is None else (lambda: failed.is_set() or cancelled())
-
-        def one(start: int, end: int) -> None:
-            if failed.is_set():
-                return
-            sink(start, self._read_part(name, start, end, size, started, stop, priority))
-
-        if len(parts) == 1 or threading.current_thread().name.startswith("datacache-io-"):
-            for start, end in parts:  # small object, or called from an I/O thread: no nesting
-                one(start, end)
-            return
-        pending: set[Future[None]] = set()
-        it = iter(parts)
+        nested = threading.current_thread().name.startswith("datacache-io-")  # an I/O thread: no nesting
         try:
-            for start, end in it:
-                pending.add(pool.submit(one, start, end))
-                if len(pending) >= self.transfer.concurrency:
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for f in done:
-                        f.result()
-            for f in pending:
-                f.result()
-        except BaseException as exc:
-            failed.set()
-            for f in pending:
-                f.cancel()
-            wait(pending)
-            if isinstance(exc, (CancelledError, RuntimeError)) and self._closed:
+            read_parts(size, self.transfer.part_bytes, self.transfer.concurrency, None if nested else pool,
+                       lambda start, end, stop: self._read_part(name, start, end, size, started, stop, priority),
+                       sink, cancelled)
+        except (CancelledError, RuntimeError) as exc:
+            if self._closed:
                 raise StorageError("read: the store was closed during the read", url=self.url_of(name)) from exc
             raise
