@@ -37,3 +37,23 @@ def test_bench_datacache_tiny(tmp_path: Path) -> None:
     assert "| cold | datacache |" in table and "| warm | datacache |" in table
     assert "| cold | datacache |" in proc.stdout  # the table is printed too
     assert (out / "bench_wall.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(240)
+def test_bench_nodes_scenario_tiny(tmp_path: Path) -> None:
+    """The nodes scenario: 4 simulated nodes (one rank process each, its own cache of 0.3 D), 3
+    epochs; epochs 2-3 read (almost) nothing, and tools/scale_model predicts every epoch's bytes."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--systems", "datacache",
+           "--scenario", "nodes", "--nodes", "4", "--size", "4MB", "--shard-bytes", "128KB", "--sample-bytes",
+           "16KiB", "--bandwidth", "200MB", "--latency", "0.002", "--compute", "0.001", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in lines] == [0, 1, 2] and all(r["nodes"] == 4 for r in lines)
+    D, predicted = lines[0]["D"], lines[0]["predicted_remote"]
+    assert all(r["samples"] >= r["n"] for r in lines), "an epoch lost samples"
+    measured = [r["remote_bytes"] for r in lines]
+    assert D <= measured[0] <= 1.05 * predicted[0] and predicted[0] >= D
+    assert sum(measured[1:]) <= 0.01 * D and predicted[1:] == [0, 0]
+    assert "| nodes | datacache |" in (out / "results.md").read_text()

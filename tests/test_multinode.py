@@ -27,6 +27,7 @@ import pytest
 from datacache import StreamingDataset, write_dataset
 from datacache.dist import detect
 from datacache.plan import build_plan
+from tools.scale_model import predict_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_node_worker.py")
@@ -139,7 +140,11 @@ def test_sticky_reads_two_nodes(s3_server: Any, slowlink: Any, tmp_path: Path) -
     assert job.ids(0) != job.ids(1), "epochs do not reshuffle"
     assert snaps[0]["bytes_down"] >= d
     later = snaps[2]["bytes_down"] - snaps[0]["bytes_down"]
-    print(f"sticky: D={d} B, epoch 1 {snaps[0]['bytes_down']} B, epochs 2-3 {later} B")
+    # tools/scale_model's prediction from the plan: each node's share in epoch 1, nothing after
+    predicted = predict_bytes(np.array([s.samples for s in m.shards]), np.array([s.bytes for s in m.shards]),
+                              nodes=2, ranks=2, workers=2, cache=int(0.6 * d), epochs=3, seed=3)
+    assert predicted[1:] == [0, 0] and predicted[0] <= snaps[0]["bytes_down"] <= 1.05 * predicted[0]
+    print(f"sticky: D={d} B, epoch 1 {snaps[0]['bytes_down']} B (model {predicted[0]} B), epochs 2-3 {later} B")
     assert later <= 0.01 * d, f"epochs 2-3 read {later} B of D = {d} B"
     assert json.loads((job.out / "layout_rank3.json").read_text()) == {"dp_rank": 3, "dp_size": 4, "num_nodes": 2}
 

@@ -38,7 +38,8 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
     if bad is not None:
         return {"failed": f"aborted in epoch {bad['epoch'] + 1}: {bad['aborted']}", "aborted": True}
     wall = sum(r["wall"] for r in m)
-    link = sum(_needed_bytes(sc, i, D, C) for i in range(len(m))) / r0["bandwidth"]
+    needed = r0.get("predicted_remote") or [_needed_bytes(sc, i, D, C) for i in range(len(m))]
+    link = sum(needed[:len(m)]) / r0["bandwidth"]
     compute = sum(r["compute"] for r in m)
     memcpy = D * len(m) / r0["memcpy_rate"]
     remote = [r["remote_bytes"] for r in m]
@@ -49,7 +50,8 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
             "samples_s": samples / wall, "samples": samples, "first_batch": m[0].get("first_batch") or 0.0,
             "gb_s": samples * r0["sample_bytes"] / wall / 1e9,
             "memcpy_gb_s": r0["memcpy_rate"] / 1e9, "link": link, "compute": compute, "memcpy": memcpy,
-            "bound": max(link, compute, memcpy), "D": D, "C": C}
+            "bound": max(link, compute, memcpy), "D": D, "C": C,
+            **({"predicted": r0["predicted_remote"]} if r0.get("predicted_remote") else {})}
 
 
 def medians(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -70,6 +72,8 @@ def medians(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, An
         med["remote"] = [statistics.median(s["remote"][i] for s in ok) for i in range(len(ok[0]["remote"]))]
         med["reps"] = len(ok)
         med["C"] = ok[0]["C"]
+        if "predicted" in ok[0]:
+            med["predicted"] = ok[0]["predicted"]
         out[key] = med
     return out
 
@@ -92,6 +96,13 @@ def targets(sc: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> st
         checks.append((worst <= 1.05, f"epochs 2+ remote <= {worst:.3f} (D-C) (<=1.05)"))
     elif sc == "ranks":
         checks.append((dc["remote"][0] <= 1.01 * D, f"node remote {dc['remote'][0] / D:.3f} D (<=1.01)"))
+    elif sc == "nodes":
+        later = sum(dc["remote"][1:])
+        checks.append((later <= 0.01 * D, f"epochs 2+ remote {later / D:.4f} D (<=0.01)"))
+        pred = dc.get("predicted") or []
+        if pred:
+            off = max(abs(m - p) / max(p, 0.01 * D) for m, p in zip(dc["remote"], pred))
+            checks.append((off <= 0.05, f"model {' / '.join(f'{p / 1e6:.1f}' for p in pred)} MB, off {off:.3f} (<=0.05)"))
     elif sc == "small":
         best = max((p["samples_s"] for p in peers.values() if "failed" not in p), default=None)
         if best is not None:

@@ -58,11 +58,19 @@ def node_needs(counts: np.ndarray, sizes: np.ndarray, spec: PlanSpec, node: int,
 
 def predict_bytes(counts: np.ndarray, sizes: np.ndarray, *, nodes: int, ranks: int, workers: int, cache: int,
                   epochs: int, seed: int = 0) -> list[int]:
-    """Remote bytes per epoch for all nodes together: S_k in the first epoch, max(0, S_k - C) after."""
+    """Remote bytes per epoch for all nodes together: S_k in the first epoch, then S_k less the
+    whole shards of it that fit in C (at most max(0, S_k - C) once shards are small against C)."""
     spec = PlanSpec(seed=seed, dp_size=nodes * ranks, num_workers=workers, num_nodes=nodes, shard_bytes=sizes)
-    shares = [int(sizes[node_needs(counts, sizes, spec, k, ranks)[0]].sum()) for k in range(nodes)]
-    later = sum(max(0, s - cache) for s in shares)
-    return [sum(shares)] + [later] * (epochs - 1)
+    first, later = 0, 0
+    for k in range(nodes):
+        mine = np.sort(sizes[node_needs(counts, sizes, spec, k, ranks)[0]])[::-1]
+        kept, room = 0, cache
+        for b in mine.tolist():  # the cache holds whole shards: the largest that fit
+            if b <= room:
+                kept, room = kept + b, room - b
+        first += int(mine.sum())
+        later += int(mine.sum()) - kept
+    return [first] + [later] * (epochs - 1)
 
 
 def _gets(needs: list[tuple[np.ndarray, np.ndarray]], remote: list[np.ndarray], shard_bytes: int, part: int,
