@@ -57,3 +57,25 @@ def test_bench_nodes_scenario_tiny(tmp_path: Path) -> None:
     assert D <= measured[0] <= 1.05 * predicted[0] and predicted[0] >= D
     assert sum(measured[1:]) <= 0.01 * D and predicted[1:] == [0, 0]
     assert "| nodes | datacache |" in (out / "results.md").read_text()
+
+
+def test_scale_model_and_plan_scale_small(capsys: pytest.CaptureFixture[str]) -> None:
+    """tools/scale_model.py and tools/plan_scale.py on small cases, computed from the real plan:
+    the first epoch reads D, later ones each node's share beyond its cache, GET rates follow the
+    per-node bandwidth, and the advice appears when over S3's per-prefix rate."""
+    sys.path.insert(0, str(ROOT))
+    from tools import plan_scale, scale_model
+
+    assert scale_model.main(["--nodes", "2,8", "--dataset", "2GB", "--shard", "64MB", "--cache", "640MB",
+                             "--bandwidth", "1GB", "--part", "8MB", "--epochs", "2", "--json"]) == 0
+    two, eight = json.loads(capsys.readouterr().out)
+    d = (2_000_000_000 // 64_000_000) * 64_000_000
+    for r in (two, eight):
+        assert r["epochs"][0]["remote_bytes"] >= d and r["epochs"][0]["gets"] == r["epochs"][0]["remote_bytes"] // 8e6
+        assert r["epochs"][0]["gets_per_s_peak"] <= r["nodes"] * 1e9 / 8e6 + 1
+    assert two["epochs"][1]["remote_bytes"] == 2 * (two["share_bytes"]["max"] - 640_000_000)  # 31 shards: 16 + 15 and one they share
+    assert eight["epochs"][1]["remote_bytes"] == 0 and eight["epochs"][1]["gets_per_s_peak"] == 0
+    assert "within one prefix" in two["advice"]
+    assert "max_requests_per_s" in scale_model.advice(20000, 64, 8 << 20, 64 << 20)
+    r = plan_scale.run_case(1_000_000, 1000, nodes=8, ranks=2, workers=2)
+    assert r["shards"] == 1000 and r["first_batch_s"] > 0 and r["peak_mb"] > 0
