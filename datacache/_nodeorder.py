@@ -6,7 +6,9 @@ assigned, node ``k`` joins by taking from every node ``j < k`` the shards with t
 hash ``h(seed, shard, k)`` until ``j`` is down to ``D / (k + 1)`` bytes, rounding so that the
 newcomer's running total tracks its exact target. Hence:
 
-- balance: every node holds ``D / N`` bytes to within one shard's size;
+- balance: every node holds ``D / N`` bytes to within one shard's size (guaranteed while each join
+  takes at least one shard from every node: ``D / (N (N + 1))`` at least the largest shard; about
+  one shard beyond that);
 - stickiness: the assignment for ``N + 1`` nodes is the one for ``N`` with node ``N`` taking its
   share from the others, so going from ``N`` to ``N + 1`` nodes (or back) moves only the last
   node's share (``D / (N + 1)`` to within one shard), and every other node keeps all the shards it

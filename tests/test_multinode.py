@@ -212,3 +212,24 @@ def test_launchers_agree_on_the_node_split(small_dataset: tuple[str, dict[str, A
             ds.close()
     assert all(s == splits["torchrun"] for s in splits.values()), splits
     assert [s[:2] for s in splits["torchrun"]] == [(k // per_node, nodes) for k in range(nodes * per_node)]
+
+
+def test_replication_groups_on_several_nodes(small_dataset: tuple[str, dict[str, Any], Any], tmp_path: Path) -> None:
+    """2 nodes x 2 ranks, replication=2: each node is one data-parallel group whose two ranks get
+    identical samples; the nodes read their own shards (5 of 8 samples: 3 and 2, and one shard
+    whose samples they split), every sample once."""
+    from datacache import CacheConfig
+    from datacache.dist import DistInfo
+
+    url, opts, m = small_dataset
+    cache = CacheConfig(ram_bytes="4MB", ssd_bytes=0, ram_dir=str(tmp_path / "ram"), ssd_dir=str(tmp_path / "ssd"))
+    plans = []
+    for rank in range(4):
+        ds = StreamingDataset(url, storage_options=opts, cache=cache, replication=2, dist=DistInfo(rank, 4, rank % 2, 2))
+        assert (ds.dp_rank, ds.dp_size, ds.num_nodes) == (rank // 2, 2, 2)
+        plans.append(build_plan(ds.counts, ds._spec(1, 0)))
+        ds.close()
+    assert np.array_equal(plans[0].samples, plans[1].samples) and np.array_equal(plans[2].samples, plans[3].samples)
+    shared = {r[0] for r in plans[0].runs} & {r[0] for r in plans[2].runs}
+    assert len(shared) <= 1, "more than the one shard whose samples balance the nodes"
+    assert sorted(plans[0].samples.tolist() + plans[2].samples.tolist()) == list(range(m.num_samples))

@@ -137,7 +137,8 @@ def advice(peak: int, nodes: int, part: int, shard: int) -> str:
         out.append(f"or use parts of {format_size(bigger)} (TransferConfig(part_bytes=...): {at_bigger:,} GET/s"
                    + (f", still {left} prefixes)" if left > 1 else ")"))
     cap = max(1, S3_GETS_PER_PREFIX // nodes)
-    out.append(f"or cap each node at max_requests_per_s={cap} (the cold epoch then lasts {prefixes}x longer)")
+    out.append(f"or cap every node with TransferConfig(max_requests_per_s={cap}) (a node-wide budget; the "
+               f"cold epoch then lasts {prefixes}x longer)")
     return "; ".join(out)
 
 
