@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ._cli_common import Ctx, UsageError, _fmt_ranks, _mbps, _Progress, _run_pool, _watch
+from ._nodeorder import readonly
 from .config import format_size
 from .dist import plan_nodes
 from .nodeplan import node_dp_ranks, node_schedule, warm_order
@@ -81,7 +82,7 @@ def cmd_warm(ctx: Ctx) -> int:
         counts = np.array([s.samples for s in source.manifest.shards], dtype=np.int64)
         spec = PlanSpec(seed=a.seed, epoch=a.epoch, shuffle=a.shuffle, window=a.window, drop_last=a.drop_last,
                         dp_size=dp_size, dp_rank=dp_ranks[0], num_workers=num_workers, worker_id=0, num_nodes=nodes,
-                        placement=a.placement, shard_bytes=np.array([s.bytes for s in source.manifest.shards]))
+                        placement=a.placement, shard_bytes=readonly([s.bytes for s in source.manifest.shards]))
         order = warm_order(counts, spec, dp_ranks)
         # Evict (and bypass) by next use in the node's plan, as the dataset does.
         tell_plan(source.cache, node_schedule(source.manifest, counts, spec, dp_ranks))

@@ -36,13 +36,20 @@ import numpy as np
 
 from ._pieces import Pieces
 
-__all__ = ["assign_nodes", "node_pieces", "memo", "digest"]
+__all__ = ["assign_nodes", "node_pieces", "memo", "digest", "readonly"]
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _memo_lock = threading.Lock()
 _memo: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 _MEMO_SIZE = 16
 _digests: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def readonly(values: Any) -> np.ndarray:
+    """``values`` as a read-only int64 array (whose digest is then computed once)."""
+    out = np.array(values, dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 def digest(a: np.ndarray | None) -> str | None:

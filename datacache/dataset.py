@@ -24,13 +24,12 @@ from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
 from typing import Any
 
-import numpy as np
 import torch
 import torch.utils.data as tud
 
 from ._batches import RingCollator, collate
 from ._consumer import Consumer
-from ._nodeorder import assign_nodes
+from ._nodeorder import assign_nodes, readonly
 from .cache import NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
 from .dist import DistInfo, detect, plan_nodes
@@ -134,8 +133,7 @@ class StreamingDataset(tud.IterableDataset):
         self.store: Store = self.source.store
         self.manifest: Manifest = self.source.manifest
         self.cache: NodeCache = self.source.cache
-        self.counts = np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
-        self.counts.flags.writeable = False  # fixed: the plan hashes it once (datacache._nodeorder.digest)
+        self.counts = readonly([s.samples for s in self.manifest.shards])  # the plan hashes it once
         self.shuffle, self.seed, self.drop_last, self.window = shuffle, seed, drop_last, window
         self.transform, self.batch_size, self.collate_fn = transform, batch_size, collate_fn
         self.prefetch = prefetch or PrefetchConfig()
@@ -149,12 +147,9 @@ class StreamingDataset(tud.IterableDataset):
                 raise ValueError(f"world size {self.dist.world_size} is not a multiple of replication={replication}")
             dp_size, dp_rank = self.dist.world_size // replication, self.dist.rank // replication
         self.dp_size, self.dp_rank = int(dp_size), int(dp_rank)
-        if placement not in ("node", "global"):
-            raise ValueError(f"placement={placement!r}: expected 'node' or 'global'")
         self.placement = placement
         self.num_nodes = self._num_nodes()
-        self.shard_bytes = np.array([s.bytes for s in self.manifest.shards], dtype=np.int64)
-        self.shard_bytes.flags.writeable = False
+        self.shard_bytes = readonly([s.bytes for s in self.manifest.shards])
         if self.num_nodes > 1:  # once per run, here: forked DataLoader workers inherit it
             assign_nodes(self.shard_bytes, self.num_nodes, self.seed)
         self._epoch = _shared_int()
@@ -193,10 +188,9 @@ class StreamingDataset(tud.IterableDataset):
     def _num_nodes(self) -> int:
         """Nodes the data-parallel ranks spread over (``dist.plan_nodes``); 1 (a global plan) when
         ``dp_rank``/``dp_size`` were given apart from ``dist``."""
-        d = self.dist
-        if d.world_size != self.dp_size * self.replication:
-            return 1
-        return plan_nodes(d.world_size, d.local_world_size, self.replication, self.placement)
+        d = self.dist  # plan_nodes checks ``placement``
+        nodes = plan_nodes(d.world_size, d.local_world_size, self.replication, self.placement)
+        return nodes if d.world_size == self.dp_size * self.replication else 1
 
     def _node_dp_ranks(self) -> list[int]:
         if self.dist.world_size == self.dp_size * self.replication and self.dist.world_size > 1:

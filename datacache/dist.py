@@ -45,6 +45,8 @@ def plan_nodes(world_size: int, local_world_size: int, replication: int = 1, pla
     """The node count a node-sticky epoch plan spreads the ranks over: ``world_size /
     local_world_size`` when ``placement`` is "node", every node runs ``local_world_size`` ranks and
     those are whole groups of ``replication`` ranks; else 1 (a global plan)."""
+    if placement not in ("node", "global"):
+        raise ValueError(f"placement={placement!r}: expected 'node' (shards stay on their nodes) or 'global'")
     lw = max(int(local_world_size), 1)
     if placement != "node" or world_size % lw or lw % max(int(replication), 1):
         return 1
