@@ -26,6 +26,7 @@ cut (``drop_last=True``), nodes one after the other. Pure; results are memoized 
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -43,6 +44,14 @@ _memo_lock = threading.Lock()
 _memo: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 _MEMO_SIZE = 16
 _digests: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def _after_fork() -> None:  # a DataLoader worker forked while another thread held the lock
+    global _memo_lock
+    _memo_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def readonly(values: Any) -> np.ndarray:
