@@ -18,8 +18,8 @@ newcomer's running total tracks its exact target. Hence:
 
 ``node_pieces`` is the epoch order under that assignment: each node's samples (its shards, and the
 few samples that move between nodes so that every node has exactly its ranks' share; those are
-chosen once per run too, from the end of a node's shards), its shards permuted per epoch and its
-samples contiguous per shard, padded by repeating its own first samples (``drop_last=False``) or
+chosen once per run too, from a node's largest shard, see ``_transfers``), its shards permuted
+per epoch and its samples contiguous per shard, padded by repeating its own first samples (``drop_last=False``) or
 cut (``drop_last=True``), nodes one after the other. Pure; results are memoized per process
 (thread-safe) and read-only.
 """
@@ -162,8 +162,8 @@ def node_pieces(counts: np.ndarray, offsets: np.ndarray, *, weights: np.ndarray,
     docstring. ``pool``: the samples to plan (default every sample; a resume's remainder);
     ``drop_last`` leaves each rank a multiple of ``unit`` samples. O(shards) for a whole epoch."""
     owner = assign_nodes(weights, num_nodes, seed)
-    if pool is None:
-        shards = np.argsort(owner, kind="stable")  # per node, ascending shard (and sample) ids
+    if pool is None:  # per node, its largest shards last: what a node gives comes from one shard
+        shards = np.lexsort((np.arange(len(counts)), counts, owner))
         base = Pieces.whole(shards, counts)
     else:
         base = Pieces.from_samples(np.sort(np.asarray(pool, dtype=np.int64)), offsets)
@@ -177,14 +177,19 @@ def node_pieces(counts: np.ndarray, offsets: np.ndarray, *, weights: np.ndarray,
     quota = per * (dp_size // num_nodes)
     surplus, deficit = np.maximum(have - quota, 0), np.maximum(quota - have, 0)
     moving = min(int(surplus.sum()), int(deficit.sum()))
-    # What moves: the surplus nodes' last samples (fixed for the run), in node order, to the nodes
-    # short of their quota, in node order.
-    out_of, into = _fill(surplus, moving), _fill(deficit, moving)
-    spill = Pieces.concat([p.cut(h - o, h) for p, h, o in zip(of_node, have, out_of)])
-    into = np.concatenate([[0], np.cumsum(into)])
+    # What moves (fixed for the run): each transfer is a giver's last samples of its own shards.
+    moves = _transfers(_fill(surplus, moving), _fill(deficit, moving), have)
+    out_of = np.zeros(num_nodes, dtype=np.int64)
+    for src, _, amount in moves:
+        out_of[src] += amount
+    sent, at = [], have - out_of
+    for src, _, amount in moves:
+        sent.append(of_node[src].cut(at[src], at[src] + amount))
+        at[src] += amount
     parts, padded = [], 0
     for k in range(num_nodes):
-        mine = Pieces.concat([of_node[k].cut(0, have[k] - out_of[k]), spill.cut(into[k], into[k + 1])])
+        got = [piece for (_, dst, _), piece in zip(moves, sent) if dst == k]
+        mine = Pieces.concat([of_node[k].cut(0, have[k] - out_of[k])] + got)
         mine = _shuffle_shards(mine, shuffle, seed, epoch, k)
         if len(mine) >= quota:
             parts.append(mine.cut(0, quota))  # drop_last: this epoch's last samples of the node
@@ -193,6 +198,34 @@ def node_pieces(counts: np.ndarray, offsets: np.ndarray, *, weights: np.ndarray,
             parts.append(Pieces.concat([mine, src.resize(quota - len(mine))]))
             padded += quota - len(mine)
     return Pieces.concat(parts), padded
+
+
+def _transfers(gives: np.ndarray, takes: np.ndarray, have: np.ndarray) -> list[tuple[int, int, int]]:
+    """(giver, receiver, samples) moves that take ``gives[k]`` from each node and bring
+    ``takes[k]`` to each. Givers are matched to receivers in node order; the givers of one receiver
+    are then chained (the first gives its part to the second, which passes that much of its own
+    plus its part to the next, ..., the last to the receiver), so a node reads the shards of one
+    or two other nodes, not of every giver. Plain pairs where a node has too few samples to pass."""
+    pairs: list[tuple[int, int, int]] = []
+    g, r = [[k, int(v)] for k, v in enumerate(gives) if v], [[k, int(v)] for k, v in enumerate(takes) if v]
+    i = j = 0
+    while i < len(g) and j < len(r):
+        amount = min(g[i][1], r[j][1])
+        pairs.append((g[i][0], r[j][0], amount))
+        g[i][1] -= amount
+        r[j][1] -= amount
+        i, j = i + (g[i][1] == 0), j + (r[j][1] == 0)
+    chained: list[tuple[int, int, int]] = []
+    for dst in dict.fromkeys(p[1] for p in pairs):
+        group = [p for p in pairs if p[1] == dst]
+        passed = 0
+        for (src, _, amount), nxt in zip(group, group[1:] + [(dst, dst, 0)]):
+            passed += amount
+            chained.append((src, nxt[0], passed))
+    out = np.zeros(len(have), dtype=np.int64)
+    for src, _, amount in chained:
+        out[src] += amount
+    return chained if np.all(out <= have) else pairs
 
 
 def _fill(cap: np.ndarray, amount: int) -> np.ndarray:

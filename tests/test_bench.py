@@ -73,7 +73,8 @@ def test_scale_model_and_plan_scale_small(capsys: pytest.CaptureFixture[str]) ->
     for r in (two, eight):
         assert r["epochs"][0]["remote_bytes"] >= d and r["epochs"][0]["gets"] == r["epochs"][0]["remote_bytes"] // 8e6
         assert r["epochs"][0]["gets_per_s_peak"] <= r["nodes"] * 1e9 / 8e6 + 1
-    assert two["epochs"][1]["remote_bytes"] == 2 * (two["share_bytes"]["max"] - 640_000_000)  # 31 shards: 16 + 15 and one they share
+    # 31 shards: 16 and 15, and one they share
+    assert two["epochs"][1]["remote_bytes"] == 2 * (two["share_bytes"]["max"] - 640_000_000)
     assert eight["epochs"][1]["remote_bytes"] == 0 and eight["epochs"][1]["gets_per_s_peak"] == 0
     assert "within one prefix" in two["advice"]
     assert "max_requests_per_s" in scale_model.advice(20000, 64, 8 << 20, 64 << 20)

@@ -225,7 +225,8 @@ def test_replication_groups_on_several_nodes(small_dataset: tuple[str, dict[str,
     cache = CacheConfig(ram_bytes="4MB", ssd_bytes=0, ram_dir=str(tmp_path / "ram"), ssd_dir=str(tmp_path / "ssd"))
     plans = []
     for rank in range(4):
-        ds = StreamingDataset(url, storage_options=opts, cache=cache, replication=2, dist=DistInfo(rank, 4, rank % 2, 2))
+        ds = StreamingDataset(url, storage_options=opts, cache=cache, replication=2,
+                              dist=DistInfo(rank, 4, rank % 2, 2))
         assert (ds.dp_rank, ds.dp_size, ds.num_nodes) == (rank // 2, 2, 2)
         plans.append(build_plan(ds.counts, ds._spec(1, 0)))
         ds.close()

@@ -102,7 +102,8 @@ def targets(sc: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> st
         pred = dc.get("predicted") or []
         if pred:
             off = max(abs(m - p) / max(p, 0.01 * D) for m, p in zip(dc["remote"], pred))
-            checks.append((off <= 0.05, f"model {' / '.join(f'{p / 1e6:.1f}' for p in pred)} MB, off {off:.3f} (<=0.05)"))
+            model = " / ".join(f"{p / 1e6:.1f}" for p in pred)
+            checks.append((off <= 0.05, f"model {model} MB, off {off:.3f} (<=0.05)"))
     elif sc == "small":
         best = max((p["samples_s"] for p in peers.values() if "failed" not in p), default=None)
         if best is not None:

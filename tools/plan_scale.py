@@ -110,12 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"{'samples':>14} {'shards':>10} {'job':>10} {'assign':>8} {'1st batch':>10} {'node CPU':>9} {'peak':>9}  target")
+    print(f"{'samples':>14} {'shards':>10} {'job':>10} {'assign':>8} {'1st batch':>10} {'node CPU':>9} "
+          f"{'peak':>9}  target")
     for r in results:
         t = r["target"]
         goal = f"<= {t['first_batch_s']} s, {t['peak_mb']:.0f} MB: {'met' if r['ok'] else 'MISSED'}" if t else ""
         print(f"{r['samples']:>14,} {r['shards']:>10,} {r['nodes']}x{r['ranks']}x{r['workers']:<4} "
-              f"{r['assign_s']:>7.2f}s {r['first_batch_s']:>9.3f}s {r['node_cpu_s']:>8.1f}s {r['peak_mb']:>7.1f}MB  {goal}")
+              f"{r['assign_s']:>7.2f}s {r['first_batch_s']:>9.3f}s {r['node_cpu_s']:>8.1f}s "
+              f"{r['peak_mb']:>7.1f}MB  {goal}")
     return 0
 
 

@@ -42,7 +42,8 @@ from datacache.plan import PlanSpec, build_plan  # noqa: E402
 S3_GETS_PER_PREFIX = 5500
 
 
-def node_needs(counts: np.ndarray, sizes: np.ndarray, spec: PlanSpec, node: int, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+def node_needs(counts: np.ndarray, sizes: np.ndarray, spec: PlanSpec, node: int,
+               ranks: int) -> tuple[np.ndarray, np.ndarray]:
     """(shards node ``node`` reads in ``spec.epoch``, first-need node-clock time of each), from
     every consumer's shards-only plan."""
     first: dict[int, float] = {}
