@@ -248,3 +248,16 @@ def test_shard_level_orders_equal_the_sample_level_plan(data: st.DataObject, cou
             plan = build_plan(c, sub, order=order)
             for i in range(len(runs)):
                 assert sorted(plan.samples[plan.run_of == i].tolist()) == sorted(piece[run_of == i].tolist())
+
+
+@SETTINGS
+@given(st.lists(st.integers(50, 100), min_size=24, max_size=60), st.integers(2, 6), st.integers(1, 3),
+       st.integers(0, 2**31 - 1), st.booleans())
+def test_a_node_reads_few_shards_of_other_nodes(counts: list[int], nodes: int, ranks: int, seed: int,
+                                                drop_last: bool) -> None:
+    """The samples that balance the nodes come as at most two partial shards of other nodes."""
+    spec = PlanSpec(seed=seed, dp_size=nodes * ranks, num_nodes=nodes, drop_last=drop_last, num_workers=2)
+    owner = assign_nodes(np.array(counts), nodes, seed)
+    for node, shards in node_reads(counts, spec).items():
+        foreign = {s for s in shards if owner[s] != node}
+        assert len(foreign) <= 2, (node, foreign)
