@@ -52,7 +52,8 @@ def test_exactly_once_and_equal_ranks(counts: list[int], spec: PlanSpec) -> None
     n, plans = sum(counts), all_plans(counts, spec)
     per_worker = {r: tuple(len(plans[r, w]) for w in range(spec.num_workers)) for r in range(spec.dp_size)}
     assert len(set(per_worker.values())) == 1, "ranks read different amounts"
-    assert all(k % spec.batch_size == 0 for k in np.cumsum(per_worker[0])[:-1]), "a worker starts mid-batch"
+    starts = np.concatenate([[0], np.cumsum(per_worker[0])[:-1]])
+    assert all(a % spec.batch_size == 0 for a, k in zip(starts, per_worker[0]) if k), "a worker starts mid-batch"
     seen = Counter(np.concatenate([p.samples for p in plans.values()]).tolist())
     if spec.drop_last:
         assert all(v == 1 for v in seen.values()) and sum(per_worker[0]) % spec.batch_size == 0
