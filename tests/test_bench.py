@@ -63,7 +63,6 @@ def test_scale_model_and_plan_scale_small(capsys: pytest.CaptureFixture[str]) ->
     """tools/scale_model.py and tools/plan_scale.py on small cases, computed from the real plan:
     the first epoch reads D, later ones each node's share beyond its cache, GET rates follow the
     per-node bandwidth, and the advice appears when over S3's per-prefix rate."""
-    sys.path.insert(0, str(ROOT))
     from tools import plan_scale, scale_model
 
     assert scale_model.main(["--nodes", "2,8", "--dataset", "2GB", "--shard", "64MB", "--cache", "640MB",

@@ -30,7 +30,7 @@ from datacache.plan import build_plan
 from tools.scale_model import predict_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("_node_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "node_worker.py"
 TIMEOUT = 300
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

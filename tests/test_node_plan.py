@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from datacache._nodeorder import assign_nodes
 from datacache.plan import PlanSpec, _runs, build_plan, remainder_order, split_even
-from test_plan import test_exactly_once_and_equal_ranks as _plan_properties
+from tests.helpers.plans import all_plans, check_exactly_once_and_equal_ranks
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -30,11 +30,6 @@ def node_specs(draw: st.DrawFn) -> PlanSpec:
                     batch_size=draw(st.sampled_from([1, 1, 2, 3])))
 
 
-def all_plans(counts: list[int], spec: PlanSpec, **kw):
-    return {(r, w): build_plan(np.array(counts), replace(spec, dp_rank=r, worker_id=w), **kw)
-            for r in range(spec.dp_size) for w in range(spec.num_workers)}
-
-
 def node_reads(counts: list[int], spec: PlanSpec) -> dict[int, Counter]:
     """{node: Counter of shards (runs) its consumers read}."""
     out: dict[int, Counter] = {}
@@ -48,7 +43,7 @@ def node_reads(counts: list[int], spec: PlanSpec) -> dict[int, Counter]:
 def test_exactly_once_and_equal_ranks(counts: list[int], spec: PlanSpec) -> None:
     """The single-node plan's properties (tests/test_plan.py) with several nodes, and in batched
     mode: equal ranks, whole batches per worker, exactly once."""
-    _plan_properties.hypothesis.inner_test(counts, replace(spec, batch_size=1))
+    check_exactly_once_and_equal_ranks(counts, replace(spec, batch_size=1))
     n, plans = sum(counts), all_plans(counts, spec)
     per_worker = {r: tuple(len(plans[r, w]) for w in range(spec.num_workers)) for r in range(spec.dp_size)}
     assert len(set(per_worker.values())) == 1, "ranks read different amounts"
