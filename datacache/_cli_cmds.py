@@ -15,6 +15,9 @@ from collections.abc import Callable
 from contextlib import closing
 from typing import Any
 
+import numpy as np
+
+from ._nodeorder import assign_nodes
 from .cache import NodeCache
 from .config import CacheConfig, format_size
 from .errors import IntegrityError, NotFoundError
@@ -96,12 +99,26 @@ def cmd_ls(ctx: Ctx) -> int:
              f"  samples     {m.num_samples:,}",
              f"  bytes       {format_size(m.total_bytes)} ({m.total_bytes:,})",
              f"  schema      {json.dumps(m.schema)}"]
+    if a.nodes:
+        data["nodes"] = _node_shares(m, a.nodes, a.seed)
+        shares = [n["bytes"] for n in data["nodes"]]
+        lines.append(f"  nodes       {a.nodes}: {format_size(min(shares))} to {format_size(max(shares))} a node "
+                     f"(seed {a.seed}; the shards each node keeps for the run)")
     if a.shards:
         data["shards"] = [s.to_dict() for s in m.shards]
         width = max((len(s.name) for s in m.shards), default=4)
         lines += [f"  {s.name:<{width}}  {s.bytes:>12,} B  {s.samples:>9,} samples  {s.hash}" for s in m.shards]
     ctx.emit(data, lines)
     return 0
+
+
+def _node_shares(m: Manifest, nodes: int, seed: int) -> list[dict[str, int]]:
+    """Each node's share of the dataset in a ``nodes``-node job (``_nodeorder.assign_nodes``)."""
+    sizes = np.array([s.bytes for s in m.shards], dtype=np.int64)
+    owner = assign_nodes(sizes, nodes, seed)
+    per_bytes = np.bincount(owner, weights=sizes, minlength=nodes)
+    per_shards = np.bincount(owner, minlength=nodes)
+    return [{"node": k, "shards": int(per_shards[k]), "bytes": int(per_bytes[k])} for k in range(nodes)]
 
 
 # -------------------------------------------------------------------------------------- verify

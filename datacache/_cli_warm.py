@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 
 from ._cli_common import Ctx, UsageError, _fmt_ranks, _mbps, _Progress, _run_pool, _watch
+from ._nodeorder import readonly
 from .config import format_size
+from .dist import plan_nodes
 from .nodeplan import node_dp_ranks, node_schedule, warm_order
 from .plan import PlanSpec
 from .shards import ShardSource, tell_plan
@@ -35,20 +37,26 @@ def parse_ranks(text: str) -> list[int]:
     return sorted(ranks)
 
 
-def _node_dp_ranks(a: Any) -> tuple[int, list[int], list[int]]:
-    """(data-parallel size, data-parallel ranks on this node, global ranks on this node)."""
+def _node_dp_ranks(a: Any) -> tuple[int, list[int], list[int], int]:
+    """(data-parallel size, data-parallel ranks on this node, global ranks on this node, node count
+    of the plan)."""
     world, k = a.world_size, a.replication
+    per_node = a.nproc_per_node
+    if a.nodes is not None:
+        if per_node is not None or world % a.nodes:
+            raise UsageError(f"--nodes {a.nodes}: give it instead of --nproc-per-node, dividing --world-size {world}")
+        per_node = world // a.nodes
     if a.ranks is not None:
-        if a.node_rank is not None or a.nproc_per_node is not None:
-            raise UsageError("give either --ranks or --node-rank/--nproc-per-node, not both")
+        if a.node_rank is not None or per_node is not None:
+            raise UsageError("give either --ranks or --node-rank with --nproc-per-node or --nodes, not both")
         ranks = parse_ranks(a.ranks)
-    elif a.nproc_per_node is not None or a.node_rank is not None:
-        if a.nproc_per_node is None:
-            raise UsageError("--node-rank needs --nproc-per-node")
+    elif per_node is not None or a.node_rank is not None:
+        if per_node is None:
+            raise UsageError("--node-rank needs --nproc-per-node or --nodes")
         node = a.node_rank or 0
-        ranks = list(range(node * a.nproc_per_node, min((node + 1) * a.nproc_per_node, world)))
+        ranks = list(range(node * per_node, min((node + 1) * per_node, world)))
         if not ranks:
-            raise UsageError(f"node {node} has no ranks: {node} x {a.nproc_per_node} >= --world-size {world}")
+            raise UsageError(f"node {node} has no ranks: {node} x {per_node} >= --world-size {world}")
     elif world == 1:
         ranks = [0]
     else:
@@ -59,26 +67,32 @@ def _node_dp_ranks(a: Any) -> tuple[int, list[int], list[int]]:
         raise UsageError(f"--ranks: rank {bad[0]} is not below --world-size {world}")
     if world % k:
         raise UsageError(f"--world-size {world} is not a multiple of --replication {k}")
-    return world // k, node_dp_ranks(ranks, k), ranks
+    # The training job's node count: its ranks per node are this node's (an aligned block of ranks).
+    block = ranks == list(range(ranks[0], ranks[0] + len(ranks))) and ranks[0] % len(ranks) == 0
+    nodes = plan_nodes(world, per_node or len(ranks), k, a.placement) if block or per_node else 1
+    return world // k, node_dp_ranks(ranks, k), ranks, nodes
 
 
 def cmd_warm(ctx: Ctx) -> int:
     a = ctx.args
-    dp_size, dp_ranks, ranks = _node_dp_ranks(a)
+    dp_size, dp_ranks, ranks, nodes = _node_dp_ranks(a)
     num_workers = max(a.workers, 1)
     with closing(ShardSource.open(a.url, storage_options=ctx.storage_options, cache=ctx.cache_config())) as source, \
             source.cache:
         counts = np.array([s.samples for s in source.manifest.shards], dtype=np.int64)
         spec = PlanSpec(seed=a.seed, epoch=a.epoch, shuffle=a.shuffle, window=a.window, drop_last=a.drop_last,
-                        dp_size=dp_size, dp_rank=dp_ranks[0], num_workers=num_workers, worker_id=0)
+                        dp_size=dp_size, dp_rank=dp_ranks[0], num_workers=num_workers, worker_id=0, num_nodes=nodes,
+                        placement=a.placement, shard_bytes=readonly([s.bytes for s in source.manifest.shards]))
         order = warm_order(counts, spec, dp_ranks)
         # Evict (and bypass) by next use in the node's plan, as the dataset does.
         tell_plan(source.cache, node_schedule(source.manifest, counts, spec, dp_ranks))
         sel = _select(source, order, a)
         info = {"url": source.store.url, "dataset_id": source.manifest.dataset_id, "epoch": a.epoch, "ranks": ranks,
-                "dp_size": dp_size, "dp_ranks": dp_ranks, "workers": a.workers, **sel.info()}
+                "dp_size": dp_size, "dp_ranks": dp_ranks, "workers": a.workers, "nodes": nodes,
+                "node_rank": spec.node, **sel.info()}
         scope = (f"epoch {a.epoch}, ranks {_fmt_ranks(ranks)} of {a.world_size}"
-                 + (f" x {a.workers} workers" if a.workers else ""))
+                 + (f" x {a.workers} workers" if a.workers else "")
+                 + (f" (node {spec.node} of {nodes}: its share)" if nodes > 1 else ""))
         if a.dry_run:
             return _dry_run(ctx, source, sel, info, scope)
         before, t0 = source.cache.stats(), time.monotonic()

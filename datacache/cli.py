@@ -130,6 +130,8 @@ Summary of a dataset's manifest: dataset id, format, schema, shards, samples and
 
 examples:
   datacache ls s3://bucket/ds/
+  # each node's share (shards and bytes) in a 64-node job with seed 5
+  datacache ls s3://bucket/ds/ --nodes 64 --seed 5
   datacache ls s3://bucket/ds/ --shards
   datacache ls /data/ds --json
 """,
@@ -272,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ranks", metavar="LIST", default=None, help="global ranks on this node, e.g. 0-7 or 0,2,4-6")
     g.add_argument("--node-rank", type=_nonneg_int, default=None, help="this node's index (with --nproc-per-node)")
     g.add_argument("--nproc-per-node", type=_pos_int, default=None, help="ranks per node")
+    g.add_argument("--nodes", type=_pos_int, default=None,
+                   help="nodes in the job (with --node-rank, instead of --nproc-per-node)")
+    g.add_argument("--placement", choices=("node", "global"), default="node",
+                   help="the dataset's placement (default node: each node keeps its shards for the run)")
     g.add_argument("--workers", type=_nonneg_int, default=0,
                    help="DataLoader num_workers per rank (default 0: the main process reads)")
     g = p.add_argument_group("how much and how")
@@ -286,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(subs, "ls", "summary of a dataset's manifest")
     p.add_argument("url", metavar="URL", help="dataset prefix (holding manifest.json)")
     p.add_argument("--shards", "-l", action="store_true", help="also list every shard")
+    p.add_argument("--nodes", type=_pos_int, default=None,
+                   help="show each node's share of a job on this many nodes (node placement)")
+    p.add_argument("--seed", type=int, default=0, help="the dataset seed, with --nodes (default 0)")
 
     p = _sub(subs, "index", "build manifest.json for existing parquet/tar/lmdb files")
     p.add_argument("url", metavar="URL", help="prefix holding the files")

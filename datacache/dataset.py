@@ -24,15 +24,15 @@ from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
 from typing import Any
 
-import numpy as np
 import torch
 import torch.utils.data as tud
 
 from ._batches import RingCollator, collate
 from ._consumer import Consumer
+from ._nodeorder import assign_nodes, readonly
 from .cache import NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
-from .dist import DistInfo, detect
+from .dist import DistInfo, detect, plan_nodes
 from .manifest import Manifest
 from .nodeplan import cap_lookahead, node_dp_ranks, node_schedule
 from .plan import DEFAULT_WINDOW, PlanSpec, build_plan
@@ -109,6 +109,9 @@ class StreamingDataset(tud.IterableDataset):
       in ``stats()["skipped_shards"]``; the other shards' samples are delivered. Default "raise".
     - ``dist``: where this process sits (rank, world and node sizes); default: detected from
       ``torch.distributed`` or the launcher's variables (``datacache.dist.detect``).
+    - ``placement``: "node" (default) keeps each shard on one node for the whole run when the job
+      has several nodes (each epoch reshuffles within a node's share, so a node's cache keeps
+      serving); "global" reshuffles all shards over all ranks every epoch. One node: the same.
     """
 
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
@@ -119,7 +122,7 @@ class StreamingDataset(tud.IterableDataset):
                  dp_rank: int | None = None, dp_size: int | None = None, prefetch: PrefetchConfig | None = None,
                  transfer: TransferConfig | None = None, retry: RetryConfig | None = None,
                  reader_options: Mapping[str, Any] | None = None, on_error: str = "raise",
-                 dist: DistInfo | None = None) -> None:
+                 dist: DistInfo | None = None, placement: str = "node") -> None:
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ValueError("on_error must be 'raise' or 'skip'")
@@ -130,7 +133,7 @@ class StreamingDataset(tud.IterableDataset):
         self.store: Store = self.source.store
         self.manifest: Manifest = self.source.manifest
         self.cache: NodeCache = self.source.cache
-        self.counts = np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
+        self.counts = readonly([s.samples for s in self.manifest.shards])  # the plan hashes it once
         self.shuffle, self.seed, self.drop_last, self.window = shuffle, seed, drop_last, window
         self.transform, self.batch_size, self.collate_fn = transform, batch_size, collate_fn
         self.prefetch = prefetch or PrefetchConfig()
@@ -144,6 +147,11 @@ class StreamingDataset(tud.IterableDataset):
                 raise ValueError(f"world size {self.dist.world_size} is not a multiple of replication={replication}")
             dp_size, dp_rank = self.dist.world_size // replication, self.dist.rank // replication
         self.dp_size, self.dp_rank = int(dp_size), int(dp_rank)
+        self.placement = placement
+        self.num_nodes = self._num_nodes()
+        self.shard_bytes = readonly([s.bytes for s in self.manifest.shards])
+        if self.num_nodes > 1:  # once per run, here: forked DataLoader workers inherit it
+            assign_nodes(self.shard_bytes, self.num_nodes, self.seed)
         self._epoch = _shared_int()
         self.epoch = 0
         self._epoch_explicit = False  # set_epoch was called (a DataLoader worker inherits this)
@@ -174,7 +182,15 @@ class StreamingDataset(tud.IterableDataset):
     def _spec(self, num_workers: int, worker_id: int, epoch: int | None = None) -> PlanSpec:
         return PlanSpec(seed=self.seed, epoch=self.epoch if epoch is None else epoch, shuffle=self.shuffle,
                         window=self.window, drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,
-                        num_workers=num_workers, worker_id=worker_id, batch_size=self.batch_size or 1)
+                        num_workers=num_workers, worker_id=worker_id, batch_size=self.batch_size or 1,
+                        num_nodes=self.num_nodes, placement=self.placement, shard_bytes=self.shard_bytes)
+
+    def _num_nodes(self) -> int:
+        """Nodes the data-parallel ranks spread over (``dist.plan_nodes``); 1 (a global plan) when
+        ``dp_rank``/``dp_size`` were given apart from ``dist``."""
+        d = self.dist  # plan_nodes checks ``placement``
+        nodes = plan_nodes(d.world_size, d.local_world_size, self.replication, self.placement)
+        return nodes if d.world_size == self.dp_size * self.replication else 1
 
     def _node_dp_ranks(self) -> list[int]:
         if self.dist.world_size == self.dp_size * self.replication and self.dist.world_size > 1:
@@ -308,18 +324,20 @@ class StreamingDataset(tud.IterableDataset):
             if info is None:
                 return self._resume.to_dict()
             return self._resume.pending(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
-                                        worker_id=worker_id, batch_size=self.batch_size or 1).to_dict()
+                                        worker_id=worker_id, batch_size=self.batch_size or 1,
+                                        num_nodes=self.num_nodes).to_dict()
         base = self._resume_base
         if base is None or base.epoch != self.epoch:
             base = start_state(epoch=self.epoch, seed=self.seed, dataset_id=self.manifest.dataset_id,
                                dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
-                               batch_size=self.batch_size or 1)
+                               batch_size=self.batch_size or 1, num_nodes=self.num_nodes)
         consumed = 0
         if self._consumer is not None and self._consumer.epoch == self.epoch:
             delivered = getattr(self, "_delivered", None)
             consumed = self._consumer.consumed if delivered is None else delivered
         return base.advanced(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
-                             worker_id=worker_id, consumed=consumed, batch_size=self.batch_size or 1).to_dict()
+                             worker_id=worker_id, consumed=consumed, batch_size=self.batch_size or 1,
+                             num_nodes=self.num_nodes).to_dict()
 
     def load_state_dict(self, state: Any) -> None:
         """Resume from ``state`` at the next ``__iter__`` (possibly with another world size or
@@ -338,7 +356,7 @@ class StreamingDataset(tud.IterableDataset):
             self._resume = None
             return
         if info is not None:  # torchdata gave this worker its own state: refuse one it cannot use
-            st.check_layout(self.dp_size, info.num_workers, self.batch_size or 1)
+            st.check_layout(self.dp_size, info.num_workers, self.batch_size or 1, self.num_nodes)
         self.epoch = st.epoch
         self._resume = st
 

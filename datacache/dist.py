@@ -3,7 +3,9 @@
 Sources, first match wins: an initialized ``torch.distributed``; torchrun's ``RANK``/``WORLD_SIZE``/
 ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``; Open MPI's ``OMPI_COMM_WORLD_*``; PMI (MPICH, Intel MPI)
 ``PMI_RANK``/``PMI_SIZE`` with ``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``; Slurm's ``SLURM_PROCID``/
-``SLURM_NTASKS``/``SLURM_LOCALID``/``SLURM_NTASKS_PER_NODE``; else a single process.
+``SLURM_NTASKS``/``SLURM_LOCALID`` with ``SLURM_NTASKS_PER_NODE``, ``SLURM_TASKS_PER_NODE`` or
+``SLURM_NNODES``; else a single process. The node count (``DistInfo.num_nodes``) follows from the
+ranks per node, which is how the epoch plan keeps shards on their nodes.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["DistInfo", "detect"]
+__all__ = ["DistInfo", "detect", "plan_nodes"]
 
 
 @dataclass(frozen=True)
@@ -28,10 +30,27 @@ class DistInfo:
     def node_rank(self) -> int:
         return self.rank // max(self.local_world_size, 1)
 
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the job (every node runs ``local_world_size`` ranks; the last may run fewer)."""
+        return -(-self.world_size // max(self.local_world_size, 1))
+
     def node_ranks(self) -> range:
         """Global ranks on this node (assumes ranks are packed per node, as all launchers do)."""
         start = self.node_rank * self.local_world_size
         return range(start, min(start + self.local_world_size, self.world_size))
+
+
+def plan_nodes(world_size: int, local_world_size: int, replication: int = 1, placement: str = "node") -> int:
+    """The node count a node-sticky epoch plan spreads the ranks over: ``world_size /
+    local_world_size`` when ``placement`` is "node", every node runs ``local_world_size`` ranks and
+    those are whole groups of ``replication`` ranks; else 1 (a global plan)."""
+    if placement not in ("node", "global"):
+        raise ValueError(f"placement={placement!r}: expected 'node' (shards stay on their nodes) or 'global'")
+    lw = max(int(local_world_size), 1)
+    if placement != "node" or world_size % lw or lw % max(int(replication), 1):
+        return 1
+    return world_size // lw
 
 
 def _int(env: Mapping[str, str], *names: str) -> int | None:
@@ -47,7 +66,10 @@ def _slurm_tasks_per_node(env: Mapping[str, str]) -> int | None:
     if v is not None:
         return v
     m = re.match(r"^(\d+)", env.get("SLURM_TASKS_PER_NODE", ""))
-    return int(m.group(1)) if m else None
+    if m:
+        return int(m.group(1))
+    tasks, nodes = _int(env, "SLURM_NTASKS"), _int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    return -(-tasks // nodes) if tasks and nodes else None
 
 
 def detect(env: Mapping[str, str] | None = None) -> DistInfo:

@@ -1,16 +1,23 @@
 """The epoch plan: which samples each consumer reads, in which order. A pure function.
 
 A plan depends only on (shard sample counts, seed, epoch, shuffle, window, drop_last, data-parallel
-size and rank, number of workers, worker id, batch size), so every process can compute every other
-process's plan: that is how a consumer knows its future reads exactly, and how the node's cache
-learns the next use of every shard for clairvoyant eviction. Steps:
+size and rank, number of workers, worker id, batch size, and with several nodes the node count
+and shard sizes), so every process can compute every other process's plan: that is how a consumer
+knows its future reads exactly, and how the node's cache learns the next use of every shard for
+clairvoyant eviction. Steps:
 
 1. Global order: the shards in a seeded permutation (per seed and epoch), each shard's samples
    contiguous. Every rank computes the same order.
-2. Ranks: the order is cut into ``dp_size`` equal contiguous parts. ``drop_last=False`` pads the
-   order by repeating samples from its start until it divides evenly (``padded`` counts them);
-   ``drop_last=True`` drops the remainder. Every rank therefore reads the same number of samples,
-   and, since the worker split below is the same everywhere, yields the same number of batches.
+   With several nodes (``num_nodes > 1``, ``placement="node"``, the default) the order is instead
+   node-sticky (``datacache._nodeorder``): every shard belongs to one node for the whole run
+   (seeded, balanced in bytes, barely moved when the node count changes), and each epoch permutes
+   only within a node's share; nodes follow one another in the order, each with exactly its
+   ranks' share (padded or cut per node). ``placement="global"`` keeps the global permutation.
+2. Ranks: the order is cut into ``dp_size`` equal contiguous parts (ranks are packed per node).
+   ``drop_last=False`` pads the order by repeating samples from its start until it divides evenly
+   (``padded`` counts them); ``drop_last=True`` drops the remainder. Every rank therefore reads
+   the same number of samples, and, since the worker split below is the same everywhere, yields
+   the same number of batches.
    In batched mode (``batch_size`` > 1) ``drop_last=True`` also drops a rank's last partial batch
    (the remainder of the order modulo ``dp_size * batch_size``): every batch is full.
 3. Workers: a rank's part is cut into batches of ``batch_size`` (1 in samples mode) and the
@@ -36,10 +43,13 @@ and plans them the same way.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
+
+from ._nodeorder import digest, memo, node_pieces
+from ._pieces import Pieces
 
 __all__ = ["PlanSpec", "ConsumerPlan", "global_order", "split_even", "build_plan", "remainder_order",
            "DEFAULT_WINDOW"]
@@ -61,8 +71,26 @@ class PlanSpec:
     num_workers: int = 1
     worker_id: int = 0
     batch_size: int = 1
+    num_nodes: int = 1
+    placement: str = "node"
+    shard_bytes: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def node_placed(self) -> bool:
+        """Whether shards stay on their nodes for the run (``placement="node"``, several nodes)."""
+        return self.placement == "node" and self.num_nodes > 1
+
+    @property
+    def node(self) -> int:
+        """The node of ``dp_rank`` (ranks are packed per node, ``dp_size / num_nodes`` each)."""
+        return self.dp_rank // (self.dp_size // self.num_nodes) if self.node_placed else 0
 
     def __post_init__(self) -> None:
+        if self.placement not in ("node", "global"):
+            raise ValueError(f"placement={self.placement!r}: expected 'node' or 'global'")
+        if self.num_nodes < 1 or (self.node_placed and self.dp_size % self.num_nodes):
+            raise ValueError(f"num_nodes={self.num_nodes} must be >= 1 and divide dp_size={self.dp_size} "
+                             "(each node runs the same number of data-parallel ranks); or use placement='global'")
         if not 0 <= self.dp_rank < self.dp_size:
             raise ValueError(f"dp_rank {self.dp_rank} not in [0, {self.dp_size})")
         if not 0 <= self.worker_id < max(self.num_workers, 1):
@@ -74,18 +102,58 @@ class PlanSpec:
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+    """Each shard's first sample id, plus the total (memoized; read-only)."""
+    def make() -> np.ndarray:
+        out = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        out.flags.writeable = False
+        return out
+    return memo(("offsets", digest(np.asarray(counts, dtype=np.int64))), make)
 
 
 def global_order(counts: np.ndarray, spec: PlanSpec) -> np.ndarray:
-    """Global sample ids of one epoch, shard-contiguous, shards permuted when shuffling."""
+    """Global sample ids of one epoch, shard-contiguous, shards permuted when shuffling (placement
+    "global", or one node)."""
     counts = np.asarray(counts, dtype=np.int64)
-    offsets = _offsets(counts)
+    return _global_pieces(counts, spec).samples(_offsets(counts))
+
+
+def _global_pieces(counts: np.ndarray, spec: PlanSpec) -> Pieces:
     shards = np.arange(len(counts))
     if spec.shuffle:
         shards = np.random.default_rng([spec.seed, spec.epoch, 0]).permutation(len(counts))
-    parts = [np.arange(offsets[s], offsets[s + 1], dtype=np.int64) for s in shards]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return Pieces.whole(shards, counts)
+
+
+def epoch_pieces(counts: np.ndarray, spec: PlanSpec, pool: np.ndarray | None = None) -> tuple[Pieces, int]:
+    """The epoch's whole read order before the rank split, of length ``per_rank * dp_size``
+    (padded or cut), and the padded count; ``pool``: the samples to plan instead of all of them
+    (a resume's remainder, in its order for a global plan). Memoized per process; O(shards) for a
+    whole epoch. Node-sticky with ``spec.node_placed`` (``datacache._nodeorder``)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    weights = counts if spec.shard_bytes is None else np.asarray(spec.shard_bytes, dtype=np.int64)
+    unit = spec.batch_size if spec.drop_last else 1
+    key = ("epoch", digest(counts), digest(weights) if spec.node_placed else None, digest(pool), spec.seed,
+           spec.epoch, spec.shuffle, spec.drop_last, unit, spec.dp_size, spec.num_nodes if spec.node_placed else 1)
+    offsets = _offsets(counts)
+
+    def make() -> tuple[Pieces, int]:
+        if spec.node_placed:
+            return node_pieces(counts, offsets, weights=weights, pool=pool, num_nodes=spec.num_nodes,
+                               dp_size=spec.dp_size, drop_last=spec.drop_last, unit=unit,
+                               shuffle=spec.shuffle, seed=spec.seed, epoch=spec.epoch)
+        base = _global_pieces(counts, spec) if pool is None else Pieces.from_samples(pool, offsets)
+        n, parts = len(base), spec.dp_size
+        if spec.drop_last:
+            return base.cut(0, n // parts // unit * unit * parts), 0
+        padded = (-(-n // parts) * parts - n) if n else 0
+        return Pieces.concat([base, base.resize(padded)]), padded
+    return memo(key, make)
+
+
+def epoch_order(counts: np.ndarray, spec: PlanSpec, pool: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """``epoch_pieces`` as sample ids (O(samples))."""
+    pieces, padded = epoch_pieces(counts, spec, pool)
+    return pieces.samples(_offsets(np.asarray(counts, dtype=np.int64))), padded
 
 
 def split_even(order: np.ndarray, parts: int, drop_last: bool, unit: int = 1) -> tuple[list[np.ndarray], int]:
@@ -104,11 +172,11 @@ def split_even(order: np.ndarray, parts: int, drop_last: bool, unit: int = 1) ->
     return [order[i * per:(i + 1) * per] for i in range(parts)], padded
 
 
-def _worker_piece(rank_seq: np.ndarray, num_workers: int, worker_id: int, batch_size: int = 1) -> np.ndarray:
-    """Worker ``worker_id``'s contiguous share of whole batches of ``batch_size`` samples."""
-    batches = -(-len(rank_seq) // batch_size)
-    bounds = np.linspace(0, batches, max(num_workers, 1) + 1).round().astype(np.int64) * batch_size
-    return rank_seq[bounds[worker_id]:bounds[worker_id + 1]]
+def _worker_bounds(n: int, num_workers: int, batch_size: int = 1) -> np.ndarray:
+    """Where each worker's contiguous share of whole batches of a rank's ``n`` positions starts,
+    plus the end (may pass ``n``: the rank's last batch may be short)."""
+    batches = -(-n // batch_size)
+    return np.linspace(0, batches, max(num_workers, 1) + 1).round().astype(np.int64) * batch_size
 
 
 @dataclass(frozen=True)
@@ -173,14 +241,17 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
     """
     counts = np.asarray(counts, dtype=np.int64)
     offsets = _offsets(counts)
-    if order is None:
-        order = global_order(counts, spec)
-    pieces, padded = split_even(order, spec.dp_size, spec.drop_last, spec.batch_size)
-    piece = _worker_piece(pieces[spec.dp_rank], spec.num_workers, spec.worker_id, spec.batch_size)
-    run_of, starts, runs = _runs(piece, offsets)
+    full, padded = epoch_pieces(counts, spec, pool=order)
+    per = len(full) // spec.dp_size
+    rank = full.cut(spec.dp_rank * per, (spec.dp_rank + 1) * per)
+    bounds = _worker_bounds(len(rank), spec.num_workers, spec.batch_size)
+    mine = rank.cut(bounds[spec.worker_id], bounds[spec.worker_id + 1])
     window = spec.window if spec.shuffle else 1
     if shards_only:
-        return ConsumerPlan(runs, np.append(starts, len(piece)), None, None, len(piece), window, padded, starts)
+        starts, runs = mine.runs()
+        return ConsumerPlan(runs, np.append(starts, len(mine)), None, None, len(mine), window, padded, starts)
+    piece = mine.samples(offsets)
+    run_of, starts, runs = _runs(piece, offsets)
     keys = run_of.astype(np.float64)
     if spec.shuffle:
         rng = np.random.default_rng([spec.seed, spec.epoch, 1, spec.dp_rank, spec.worker_id])
@@ -204,13 +275,12 @@ def remainder_order(counts: np.ndarray, spec: PlanSpec, consumed: list[int],
     order), so the resumed plan reads whole runs again.
     """
     counts = np.asarray(counts, dtype=np.int64)
-    base = global_order(counts, spec) if order is None else order
     done: list[np.ndarray] = []
     rest: list[np.ndarray] = []
     for r in range(spec.dp_size):
         for w in range(spec.num_workers):
             sub = PlanSpec(**{**spec.__dict__, "dp_rank": r, "worker_id": w})
-            samples = build_plan(counts, sub, order=base).samples
+            samples = build_plan(counts, sub, order=order).samples
             assert samples is not None
             done.append(samples[:consumed[w]])
             rest.append(samples[consumed[w]:])
@@ -220,7 +290,7 @@ def remainder_order(counts: np.ndarray, spec: PlanSpec, consumed: list[int],
     rest_all = rest_all[~np.isin(rest_all, np.concatenate(done))]
     offsets = _offsets(counts)
     shard_rank = np.empty(len(counts), dtype=np.int64)
-    first_seen = np.unique(np.searchsorted(offsets, base, side="right") - 1, return_index=True)
+    first_seen = np.unique(epoch_pieces(counts, spec, pool=order)[0].shard, return_index=True)
     shard_rank[first_seen[0]] = first_seen[1]
     shard = np.searchsorted(offsets, rest_all, side="right") - 1
     return rest_all[np.lexsort((rest_all, shard_rank[shard]))]

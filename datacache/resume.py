@@ -4,15 +4,15 @@ consumer continues from one. Pure functions and immutable objects (thread-safe).
 The rules (the README's "Resuming" section says the same):
 
 - A state belongs to one data-parallel rank: the epoch, the rank's layout (``dp_size``,
-  ``num_workers``, and in batched mode ``batch_size``: workers get whole batches), how many
-  samples of its plan each DataLoader worker has *delivered* (handed to the training loop, not
-  read ahead), and the chain of earlier elastic resumes of the epoch.
-- Same layout (same ``dp_size``, ``num_workers``, ``batch_size``): every consumer rebuilds its
-  plan and skips what it delivered, so the order is exactly the uninterrupted one. Each rank loads
-  its own state.
-- Another layout (elastic, or another ``num_workers`` or ``batch_size``): the samples not delivered
-  (``plan.remainder_order``) are planned afresh for the new layout; every sample is read exactly
-  once (plus the new layout's padding). This needs every worker's count, and it takes one rank's
+  ``num_workers``, ``num_nodes``, and in batched mode ``batch_size``: workers get whole batches),
+  how many samples of its plan each DataLoader worker has *delivered* (handed to the training
+  loop, not read ahead), and the chain of earlier elastic resumes of the epoch.
+- Same layout (same ``dp_size``, ``num_workers``, ``num_nodes``, ``batch_size``): every consumer
+  rebuilds its plan and skips what it delivered, so the order is exactly the uninterrupted one.
+  Each rank loads its own state.
+- Another layout (elastic, another node count, ``num_workers`` or ``batch_size``): the samples
+  not delivered (``plan.remainder_order``) are planned afresh for the new layout; every sample is
+  read exactly once (plus the new layout's padding). This needs every worker's count, and it takes one rank's
   counts for all ranks: ranks advance in lockstep, so when every rank saves at the same training
   step they all hold the same counts. Every new rank loads the same state: any old rank's, or the
   list of all old ranks' states, which ``common_state`` checks agree (refusing otherwise).
@@ -52,6 +52,7 @@ class Link:
     num_workers: int
     consumed: tuple[int, ...]
     batch_size: int = 1
+    num_nodes: int = 1
 
     def __post_init__(self) -> None:
         _count("dp_size", self.dp_size, 1)
@@ -65,12 +66,12 @@ class Link:
 
     def to_dict(self) -> dict[str, Any]:
         return {"dp_size": self.dp_size, "num_workers": self.num_workers, "consumed": list(self.consumed),
-                "batch_size": self.batch_size}
+                "batch_size": self.batch_size, "num_nodes": self.num_nodes}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Link:
         return cls(dp_size=d["dp_size"], num_workers=d["num_workers"], consumed=tuple(d["consumed"]),
-                   batch_size=d.get("batch_size", 1))
+                   batch_size=d.get("batch_size", 1), num_nodes=d.get("num_nodes", 1))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +93,7 @@ class ResumeState:
     dp_rank: int | None = None
     version: int = STATE_VERSION
     batch_size: int = 1  # the plan's (batched mode's); states without one were saved with 1
+    num_nodes: int = 1  # the plan's node count (node placement); likewise
 
     def __post_init__(self) -> None:
         _count("epoch", self.epoch)
@@ -111,15 +113,16 @@ class ResumeState:
         """Whether every worker's count is known (needed to resume with another layout)."""
         return all(c is not None for c in self.consumed)
 
-    def same_layout(self, dp_size: int, num_workers: int, batch_size: int = 1) -> bool:
-        return (self.dp_size, self.num_workers, self.batch_size) == (dp_size, num_workers, batch_size)
+    def same_layout(self, dp_size: int, num_workers: int, batch_size: int = 1, num_nodes: int = 1) -> bool:
+        return ((self.dp_size, self.num_workers, self.batch_size, self.num_nodes)
+                == (dp_size, num_workers, batch_size, num_nodes))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python values only (JSON- and ``torch.save``-friendly)."""
         return {"version": self.version, "epoch": self.epoch, "seed": self.seed, "dataset_id": self.dataset_id,
                 "dp_size": self.dp_size, "dp_rank": self.dp_rank, "num_workers": self.num_workers,
                 "consumed": list(self.consumed), "chain": [link.to_dict() for link in self.chain],
-                "batch_size": self.batch_size}
+                "batch_size": self.batch_size, "num_nodes": self.num_nodes}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ResumeState:
@@ -137,7 +140,7 @@ class ResumeState:
             return cls(epoch=d["epoch"], seed=d["seed"], dataset_id=str(d["dataset_id"]), dp_size=d["dp_size"],
                        num_workers=d["num_workers"], consumed=tuple(consumed), dp_rank=d.get("dp_rank"),
                        chain=tuple(Link.from_dict(link) for link in d.get("chain", ())),
-                       batch_size=d.get("batch_size", 1))
+                       batch_size=d.get("batch_size", 1), num_nodes=d.get("num_nodes", 1))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"resume state: missing or malformed field {exc}; {_HOW}") from None
 
@@ -149,9 +152,9 @@ class ResumeState:
         if self.seed != seed:
             raise ValueError(f"state_dict was saved with seed={self.seed}, this dataset has seed={seed}")
 
-    def check_layout(self, dp_size: int, num_workers: int, batch_size: int = 1) -> None:
+    def check_layout(self, dp_size: int, num_workers: int, batch_size: int = 1, num_nodes: int = 1) -> None:
         """Raise ``ValueError`` if resuming with this layout needs counts this state lacks."""
-        if not (self.complete or self.same_layout(dp_size, num_workers, batch_size)):
+        if not (self.complete or self.same_layout(dp_size, num_workers, batch_size, num_nodes)):
             raise self._incomplete(f"resuming with dp_size={dp_size}, num_workers={num_workers}, "
                                    f"batch_size={batch_size}")
 
@@ -168,34 +171,35 @@ class ResumeState:
         if not self.complete:
             raise self._incomplete("an elastic resume")
         return Link(dp_size=self.dp_size, num_workers=self.num_workers, consumed=tuple(int(c) for c in self.consumed),
-                    batch_size=self.batch_size)
+                    batch_size=self.batch_size, num_nodes=self.num_nodes)
 
     def advanced(self, *, dp_size: int, dp_rank: int, num_workers: int, worker_id: int,
-                 consumed: int | None, batch_size: int = 1) -> ResumeState:
+                 consumed: int | None, batch_size: int = 1, num_nodes: int = 1) -> ResumeState:
         """The state of consumer ``worker_id`` that started from this state and has delivered
         ``consumed`` samples of its plan (the other workers' counts unknown to it)."""
-        same = self.same_layout(dp_size, num_workers, batch_size)
+        same = self.same_layout(dp_size, num_workers, batch_size, num_nodes)
         chain = self.chain if same else self.chain + (self.as_link(),)
         counts: list[int | None] = [None] * num_workers
         counts[worker_id] = consumed
         return replace(self, dp_size=dp_size, dp_rank=dp_rank, num_workers=num_workers, consumed=tuple(counts),
-                       chain=chain, version=STATE_VERSION, batch_size=batch_size)
+                       chain=chain, version=STATE_VERSION, batch_size=batch_size, num_nodes=num_nodes)
 
     def pending(self, *, dp_size: int, dp_rank: int, num_workers: int, worker_id: int,
-                batch_size: int = 1) -> ResumeState:
+                batch_size: int = 1, num_nodes: int = 1) -> ResumeState:
         """What a DataLoader worker that loaded this state but has not delivered anything reports,
         in its own layout (so it merges with the states of its fellow workers that did); ``None``
         if this state lacks the worker's count (then ``rank_state`` refuses the loader's state)."""
-        own = self.consumed[worker_id] if self.same_layout(dp_size, num_workers, batch_size) else 0
+        own = self.consumed[worker_id] if self.same_layout(dp_size, num_workers, batch_size, num_nodes) else 0
         return self.advanced(dp_size=dp_size, dp_rank=dp_rank, num_workers=num_workers, worker_id=worker_id,
-                             consumed=own, batch_size=batch_size)
+                             consumed=own, batch_size=batch_size, num_nodes=num_nodes)
 
 
 def start_state(*, epoch: int, seed: int, dataset_id: str, dp_size: int, dp_rank: int, num_workers: int,
-                batch_size: int = 1) -> ResumeState:
+                batch_size: int = 1, num_nodes: int = 1) -> ResumeState:
     """The state at the start of an epoch (nothing delivered, no chain)."""
     return ResumeState(epoch=epoch, seed=seed, dataset_id=dataset_id, dp_size=dp_size, dp_rank=dp_rank,
-                       num_workers=num_workers, consumed=(0,) * num_workers, batch_size=batch_size)
+                       num_workers=num_workers, consumed=(0,) * num_workers, batch_size=batch_size,
+                       num_nodes=num_nodes)
 
 
 def _worker_state(snapshot: Mapping[str, Any], key: str) -> ResumeState:
@@ -206,7 +210,7 @@ def _worker_state(snapshot: Mapping[str, Any], key: str) -> ResumeState:
 
 
 def _key(s: ResumeState) -> tuple[Any, ...]:
-    return s.epoch, s.seed, s.dataset_id, s.dp_size, s.num_workers, s.batch_size, s.chain
+    return s.epoch, s.seed, s.dataset_id, s.dp_size, s.num_workers, s.batch_size, s.num_nodes, s.chain
 
 
 def rank_state(state: Any) -> ResumeState:
@@ -253,7 +257,7 @@ def common_state(states: Sequence[Any]) -> ResumeState:
 
 def _link_spec(spec: PlanSpec, link: Link | ResumeState) -> PlanSpec:
     return replace(spec, dp_size=link.dp_size, num_workers=link.num_workers, batch_size=link.batch_size,
-                   dp_rank=0, worker_id=0)
+                   num_nodes=link.num_nodes, dp_rank=0, worker_id=0)
 
 
 def resume_plan(counts: np.ndarray, spec: PlanSpec, state: ResumeState | None) -> tuple[np.ndarray | None, int]:
@@ -268,13 +272,13 @@ def resume_plan(counts: np.ndarray, spec: PlanSpec, state: ResumeState | None) -
     order = None
     for link in state.chain:
         order = remainder_order(counts, _link_spec(spec, link), list(link.consumed), order=order)
-    if state.same_layout(spec.dp_size, spec.num_workers, spec.batch_size):
+    if state.same_layout(spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes):
         skip = state.consumed[spec.worker_id]
         if skip is None:
             raise ValueError(f"this resume state is another DataLoader worker's: it lacks worker {spec.worker_id}'s "
                              "count; pass the StatefulDataLoader's whole state_dict() to the loader's or the "
                              "dataset's load_state_dict")
         return order, skip
-    state.check_layout(spec.dp_size, spec.num_workers, spec.batch_size)
+    state.check_layout(spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes)
     link = state.as_link()
     return remainder_order(counts, _link_spec(spec, link), list(link.consumed), order=order), 0

@@ -14,6 +14,7 @@ import sys
 import tarfile
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from datacache import CacheConfig, NodeCache, StreamingDataset, load_manifest, o
 from datacache._cli_cmds import parse_ranks, warm_order
 from datacache.cli import config_from_env, main
 from datacache.hashing import hash_bytes, hash_file
+from datacache.dist import DistInfo
 from datacache.plan import PlanSpec, build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,7 +226,9 @@ def test_warm_multi_rank_budget_takes_first_needs_first(node: Node) -> None:
     url = _write(node)
     m = load_manifest(open_store(url, node.opts))
     counts = np.array([s.samples for s in m.shards])
-    spec = PlanSpec(seed=7, epoch=0, dp_size=4, dp_rank=2, num_workers=2, window=2)
+    # ranks 2-3 of 4 are the second of 2 nodes: the plan is node-sticky
+    spec = PlanSpec(seed=7, epoch=0, dp_size=4, dp_rank=2, num_workers=2, window=2, num_nodes=2,
+                    shard_bytes=np.array([s.bytes for s in m.shards]))
     order = warm_order(counts, spec, [2, 3])
     budget = sum(m.shards[s].bytes for s in order[:5])
     out = run_json(["--ram-bytes", "0", "warm", url, "--world-size", "4", "--ranks", "2-3", "--workers", "2",
@@ -234,6 +238,42 @@ def test_warm_multi_rank_budget_takes_first_needs_first(node: Node) -> None:
     with NodeCache(node.config) as c:
         cached = {k for k, _ in c.entries()}
     assert cached == {m.cache_key(s) for s in order[:5]}
+
+
+def test_warm_node_rank_fills_exactly_that_nodes_share(node: Node) -> None:
+    """``warm --nodes 2 --node-rank 1``: node 1's share of a 2-node job, in read order; then that
+    node's ranks read their epoch without a remote byte, where the other node's shards stay out."""
+    url = _write(node)
+    m = load_manifest(open_store(url, node.opts))
+    counts = np.array([s.samples for s in m.shards])
+    spec = PlanSpec(seed=7, epoch=1, dp_size=4, dp_rank=2, num_workers=2, num_nodes=2,
+                    shard_bytes=np.array([s.bytes for s in m.shards]))
+    share = {sh for r in (2, 3) for w in range(2)
+             for sh in build_plan(counts, replace(spec, dp_rank=r, worker_id=w), shards_only=True).shard_sequence}
+    assert 0 < len(share) < N_SHARDS
+    args = ["warm", url, "--world-size", "4", "--nodes", "2", "--node-rank", "1", "--workers", "2", "--seed", "7",
+            "--epoch", "1"]
+    dry = run_json([*args, "--dry-run"], node.env)
+    assert [s["name"] for s in dry["shards"]] == [m.shards[s].name for s in warm_order(counts, spec, [2, 3])]
+    assert dry["nodes"] == 2 and dry["node_rank"] == 1 and dry["node_shards"] == len(share)
+    out = run_json(args, node.env)
+    assert out["fetched"] == len(share) and out["node_bytes"] == sum(m.shards[s].bytes for s in share)
+    ls = run_json(["ls", url, "--nodes", "2", "--seed", "7"], node.env)["nodes"]
+    assert sum(n["bytes"] for n in ls) == m.total_bytes and sum(n["shards"] for n in ls) == N_SHARDS
+    assert ls[1]["bytes"] <= out["node_bytes"] <= ls[1]["bytes"] + max(s.bytes for s in m.shards)
+    with NodeCache(node.config) as c:
+        assert {k for k, _ in c.entries()} == {m.cache_key(s) for s in share}
+    before = node.stats()
+    for rank in (2, 3):
+        ds = StreamingDataset(url, storage_options=node.opts, cache=node.config, seed=7,
+                              dist=DistInfo(rank, 4, rank - 2, 2))
+        ds.set_epoch(1)
+        try:
+            assert sum(1 for _ in ds) == len(ds)
+        finally:
+            ds.close()
+            ds.cache.close()
+    assert node.stats()["remote_bytes"] == before["remote_bytes"]
 
 
 def test_index_parquet_prefix(node: Node) -> None:

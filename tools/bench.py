@@ -27,6 +27,9 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
 - throttle: cold, and once half of D has crossed the link the store throttles for ``--storm``
   seconds (every request answered 503 SlowDown, open connections cut: ``SlowLink.throttle``):
   wall time, requests answered 503, every sample exactly once.
+- nodes: ``--nodes`` (4) simulated nodes, each one rank process (gloo) x 2 workers with its own
+  cache of 0.3 D, 3 epochs: remote bytes per epoch for all nodes together, against the bytes
+  ``tools/scale_model.predict_bytes`` predicts from the plan (datacache's default node placement).
 
 Bounds, measured in the same run: link = needed bytes / bandwidth; compute = batches x step time;
 memcpy = D bytes copied in RAM (numpy, best of 3). Output: ``DIR/results.jsonl`` (one line per
@@ -61,7 +64,7 @@ from tools import bench_report  # noqa: E402
 SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 VARIANTS = {"datacache": ("default",), "streaming": ("default", "tuned"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
-SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle")
+SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes")
 RUNNER = os.path.join(ROOT, "tools", "bench_systems.py")
 # A new tag when a system's written format changes, so DIR/s3 never serves a stale layout
 # (datacache: incompressible blocks stored raw since the raw-block format).
@@ -84,6 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--small-batch-size", type=int, default=256)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=4, help="simulated nodes in the nodes scenario")
     p.add_argument("--compute", type=float, default=0.02, help="simulated compute per batch, s")
     p.add_argument("--bandwidth", default="50MB", help="link bandwidth, bytes/s, shared by all connections")
     p.add_argument("--latency", type=float, default=0.02, help="per-request latency, s")
@@ -129,6 +133,8 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
         sc["ranks"] = 2
     if name == "throttle":
         sc.update(storm=a.storm, storm_at=0.5)  # the storm begins once D/2 has crossed the link
+    if name == "nodes":
+        sc["phases"], sc["nodes"] = ["measured"] * 3, a.nodes
     return sc
 
 
@@ -212,9 +218,18 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def launch(cmd: str, spec: dict[str, Any], path: str, timeout: float, ranks: int = 1,
-           wrap: list[str] | None = None) -> dict[str, Any]:
-    """Run the runner on ``spec`` in a fresh process (torchrun for ranks > 1); its JSON result."""
+           wrap: list[str] | None = None, nodes: int = 1) -> dict[str, Any]:
+    """Run the runner on ``spec`` in a fresh process (torchrun for ranks > 1; ``nodes`` processes,
+    one rank per simulated node, with the launcher variables set by hand); its JSON result."""
     spec = {**spec, "result": path}
     with open(path + ".spec.json", "w") as f:
         json.dump(spec, f)
@@ -224,20 +239,30 @@ def launch(cmd: str, spec: dict[str, Any], path: str, timeout: float, ranks: int
     argv = (wrap or []) + argv
     env = _env()
     env.update(spec.get("env", {}))
+    ranks = max(ranks, nodes)
     for p in [path] + [f"{path}.rank{r}" for r in range(ranks)]:
         if os.path.exists(p):
             os.unlink(p)
+    port = str(_free_port())
+    node_env = [{}] if nodes == 1 else [
+        {"RANK": str(k), "WORLD_SIZE": str(nodes), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "BENCH_NODE": str(k),
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for k in range(nodes)]
     with open(path + ".log", "wb") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        try:  # whatever the run left behind (DataLoader workers of an aborted run, a hung rank)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        procs = [subprocess.Popen(argv, cwd=ROOT, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True) for extra in node_env]
+        deadline, rc = time.monotonic() + timeout, 0
+        for proc in procs:
+            try:
+                rc = rc or proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rc = None
+                break
+        for proc in procs:
+            try:  # whatever the run left behind (DataLoader workers of an aborted run, a hung rank)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
         if rc is None:
             return {"error": f"timed out after {timeout:.0f} s (log: {path}.log)"}
     outs = [path] if ranks == 1 else [f"{path}.rank{r}" for r in range(ranks)]
@@ -303,6 +328,8 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     dc_D = ctx["datasets"][f"datacache/{sc['dataset']}"].get("bytes", D)
     if sc["name"] == "limited":
         sc["cache_bytes"] = dc_D // 2  # the same budget C for every system
+    if sc["name"] == "nodes":
+        sc["cache_bytes"] = int(0.3 * dc_D)  # per node
     link = ctx["link"]
     cache_dir = f"/dev/shm/dcbench-{os.getpid()}-{ctx['counter']}"
     ctx["counter"] += 1
@@ -332,14 +359,17 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     t0 = time.time()
     storm_done, storm, storm_timeline = storm_watch(link, sc, D)
     try:
-        res = launch("run", spec, path, timeout=a.run_timeout, ranks=sc["ranks"], wrap=wrap)
+        res = launch("run", spec, path, timeout=a.run_timeout, ranks=sc["ranks"], wrap=wrap,
+                     nodes=sc.get("nodes", 1))
     finally:
         storm_done.set()
         storm.join() if storm.is_alive() else None
         if link.throttling:  # a storm never outlives its run
             link.throttle(0)
-        shutil.rmtree(cache_dir, ignore_errors=True)
-        shutil.rmtree(spec["ssd_dir"], ignore_errors=True)
+        for k in range(sc.get("nodes", 1)):
+            suffix = f"-node{k}" if sc.get("nodes", 1) > 1 else ""
+            shutil.rmtree(cache_dir + suffix, ignore_errors=True)
+            shutil.rmtree(spec["ssd_dir"] + suffix, ignore_errors=True)
     run_bytes = link.snapshot()["bytes_down"]
     if "records" not in res:
         return [{**base, **({"unavailable": res["unavailable"]} if "unavailable" in res else {"error": res["error"]})}]
@@ -349,6 +379,8 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
               "run_remote_bytes": run_bytes, "run_seconds": time.time() - t0}
     if sc.get("storm"):
         common.update(storm_figures(link, sc["storm"], storm_timeline, a.bandwidth))
+    if sc["name"] == "nodes":
+        common.update(nodes=sc["nodes"], predicted_remote=_predicted_nodes(info, sc, ctx["server"].storage_options()))
     out = []
     for r in res["records"]:
         rec = {**base, **common, **r}
@@ -358,6 +390,25 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
             rec["samples"] = sum(rec["rank_samples"])  # the node's
         out.append(rec)
     return out
+
+
+def _predicted_nodes(info: dict[str, Any], sc: dict[str, Any], opts: dict[str, Any]) -> list[int] | None:
+    """The nodes scenario's remote bytes per epoch as ``tools/scale_model`` predicts them from the
+    plan of datacache's dataset (its manifest), for datacache's layout."""
+    from contextlib import closing
+
+    from datacache import load_manifest, open_store
+    from tools.scale_model import predict_bytes
+
+    try:
+        with closing(open_store(info["url"], opts)) as store:
+            m = load_manifest(store)
+    except Exception:  # noqa: BLE001 - a peer's format has no datacache manifest
+        return None
+    counts = np.array([s.samples for s in m.shards], dtype=np.int64)
+    sizes = np.array([s.bytes for s in m.shards], dtype=np.int64)
+    return predict_bytes(counts, sizes, nodes=sc["nodes"], ranks=1, workers=sc["workers"], cache=sc["cache_bytes"],
+                         epochs=len(sc["phases"]))
 
 
 def main(argv: list[str] | None = None) -> int:

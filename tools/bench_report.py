@@ -38,7 +38,8 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
     if bad is not None:
         return {"failed": f"aborted in epoch {bad['epoch'] + 1}: {bad['aborted']}", "aborted": True}
     wall = sum(r["wall"] for r in m)
-    link = sum(_needed_bytes(sc, i, D, C) for i in range(len(m))) / r0["bandwidth"]
+    needed = r0.get("predicted_remote") or [_needed_bytes(sc, i, D, C) for i in range(len(m))]
+    link = sum(needed[:len(m)]) / r0["bandwidth"]
     compute = sum(r["compute"] for r in m)
     memcpy = D * len(m) / r0["memcpy_rate"]
     remote = [r["remote_bytes"] for r in m]
@@ -52,7 +53,8 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
             "bound": max(link, compute, memcpy), "D": D, "C": C,
             "exactly_once": all(r["samples"] == r0["n"] == r.get("unique_samples", r0["n"]) for r in m),
             **({"throttled": r0["throttled_requests"], "storm": r0["storm"],
-                "late_rate": r0["late_requests_per_s"]} if "storm" in r0 else {})}
+                "late_rate": r0["late_requests_per_s"]} if "storm" in r0 else {}),
+            **({"predicted": r0["predicted_remote"]} if r0.get("predicted_remote") else {})}
 
 
 def medians(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -73,6 +75,8 @@ def medians(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, An
         med["remote"] = [statistics.median(s["remote"][i] for s in ok) for i in range(len(ok[0]["remote"]))]
         med["reps"] = len(ok)
         med["C"] = ok[0]["C"]
+        if "predicted" in ok[0]:
+            med["predicted"] = ok[0]["predicted"]
         out[key] = med
     return out
 
@@ -95,6 +99,14 @@ def targets(sc: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> st
         checks.append((worst <= 1.05, f"epochs 2+ remote <= {worst:.3f} (D-C) (<=1.05)"))
     elif sc == "ranks":
         checks.append((dc["remote"][0] <= 1.01 * D, f"node remote {dc['remote'][0] / D:.3f} D (<=1.01)"))
+    elif sc == "nodes":
+        later = sum(dc["remote"][1:])
+        checks.append((later <= 0.01 * D, f"epochs 2+ remote {later / D:.4f} D (<=0.01)"))
+        pred = dc.get("predicted") or []
+        if pred:
+            off = max(abs(m - p) / max(p, 0.01 * D) for m, p in zip(dc["remote"], pred))
+            model = " / ".join(f"{p / 1e6:.1f}" for p in pred)
+            checks.append((off <= 0.05, f"model {model} MB, off {off:.3f} (<=0.05)"))
     elif sc == "small":
         best = max((p["samples_s"] for p in peers.values() if "failed" not in p), default=None)
         if best is not None:

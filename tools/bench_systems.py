@@ -357,6 +357,9 @@ def _profiler(spec: dict[str, Any]) -> Any:
 
 def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     sc = spec["scenario"]
+    node = os.environ.get("BENCH_NODE")
+    if node is not None:  # a simulated node of the nodes scenario: its own cache directories
+        spec = {**spec, "cache_dir": f"{spec['cache_dir']}-node{node}", "ssd_dir": f"{spec['ssd_dir']}-node{node}"}
     barrier: Callable[[], None] = lambda: None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist

@@ -1,0 +1,72 @@
+"""One rank of one "node" in tests/test_multinode.py: a process started with the launcher variables
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) set by the test, reading through its node's cache.
+
+Reads a JSON config (argv[1]): url, storage_options, ram_dir, ssd_dir, ram_bytes, ssd_bytes, seed,
+epochs (list), num_workers, out_dir; optional resume (path of a state to load before the first
+epoch) and stop ([epoch, n]: stop that epoch after n samples and save ``state_dict()`` to
+``out_dir/state_rank{r}.json``; needs num_workers=0). Per epoch it writes the sample ids it got to
+``out_dir/epoch{e}_rank{r}.json`` and its node cache's stats to ``stats{e}_rank{r}.json``, then
+waits for the test's ``go{e}`` file (so the test reads the proxy's counters between epochs).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from torch.utils.data import DataLoader
+
+from datacache import CacheConfig, StreamingDataset
+
+
+def _write(path: str, value: object) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+def _wait(path: str) -> None:
+    deadline = time.monotonic() + 300
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} from the test")
+        time.sleep(0.02)
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        cfg = json.load(f)
+    rank, out = int(os.environ["RANK"]), cfg["out_dir"]
+    cache = CacheConfig(ram_bytes=cfg["ram_bytes"], ssd_bytes=cfg["ssd_bytes"], ram_dir=cfg["ram_dir"],
+                        ssd_dir=cfg["ssd_dir"])
+    ds = StreamingDataset(cfg["url"], storage_options=cfg["storage_options"], cache=cache, seed=cfg["seed"])
+    if cfg.get("resume"):
+        with open(cfg["resume"]) as f:
+            ds.load_state_dict(json.load(f))
+    _write(os.path.join(out, f"layout_rank{rank}.json"),
+           {"dp_rank": ds.dp_rank, "dp_size": ds.dp_size, "num_nodes": ds.num_nodes})
+    stop_epoch, stop_after = cfg.get("stop") or (None, None)
+    for epoch in cfg["epochs"]:
+        ds.set_epoch(epoch)  # keeps a loaded state of the same epoch
+        ids: list[int] = []
+        if cfg["num_workers"]:
+            for batch in DataLoader(ds, batch_size=16, num_workers=cfg["num_workers"]):
+                ids += batch["i"].tolist()
+        else:
+            for sample in ds:
+                ids.append(int(sample["i"]))
+                if epoch == stop_epoch and len(ids) == stop_after:
+                    _write(os.path.join(out, f"state_rank{rank}.json"), ds.state_dict())
+                    break
+        _write(os.path.join(out, f"epoch{epoch}_rank{rank}.json"), ids)
+        stats = {k: v for k, v in ds.stats().items() if isinstance(v, (int, float))}
+        _write(os.path.join(out, f"stats{epoch}_rank{rank}.json"), stats)
+        _wait(os.path.join(out, f"go{epoch}"))
+    ds.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
