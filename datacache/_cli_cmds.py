@@ -28,12 +28,12 @@ from .storage import Store, open_store
 from .tiers import try_pin, unlock_close
 
 
+from .progress import Progress
 from ._cli_common import (
     _CHUNK,
     Ctx,
     UsageError,
     _download,
-    _Progress,
     _run_pool,
     _watch,
 )
@@ -124,7 +124,7 @@ def _node_shares(m: Manifest, nodes: int, seed: int) -> list[dict[str, int]]:
 # -------------------------------------------------------------------------------------- verify
 
 
-def _hash_fd(fd: int, progress: _Progress | None) -> tuple[int, str]:
+def _hash_fd(fd: int, progress: Progress | None) -> tuple[int, str]:
     h, off = Hasher(), 0
     while True:
         chunk = os.pread(fd, _CHUNK, off)
@@ -142,7 +142,7 @@ def _verify_cached(ctx: Ctx, manifest: Manifest, mismatches: list[dict[str, Any]
     checked = 0
     with NodeCache(ctx.cache_config()) as cache:
         files = cache.entry_files(prefix)
-        progress = _Progress(ctx, sum(e.size for _, e, _, _ in files), "verifying cache", len(files), "files")
+        progress = Progress(ctx.quiet, sum(e.size for _, e, _, _ in files), "verifying cache", len(files), "files")
         try:
             for key, e, tier, path in files:
                 fd = try_pin(path)
@@ -172,7 +172,7 @@ def _verify_cached(ctx: Ctx, manifest: Manifest, mismatches: list[dict[str, Any]
 
 def _verify_remote(ctx: Ctx, store: Store, manifest: Manifest, mismatches: list[dict[str, Any]]) -> int:
     stop, lock = threading.Event(), threading.Lock()
-    progress = _Progress(ctx, manifest.total_bytes, "verifying remote", len(manifest.shards), "objects")
+    progress = Progress(ctx.quiet, manifest.total_bytes, "verifying remote", len(manifest.shards), "objects")
     on_bytes = _watch(stop, progress)
 
     def one(info: ShardInfo, tmpdir: str) -> None:

@@ -13,7 +13,8 @@ from contextlib import closing
 import readers
 
 from ._version import __version__
-from ._cli_common import Ctx, UsageError, _download, _mbps, _Progress, _run_pool, _watch
+from .progress import Progress
+from ._cli_common import Ctx, UsageError, _download, _mbps, _run_pool, _watch
 from ._cli_sources import open_source
 from .config import format_size
 from .errors import DatacacheError, ManifestError, NotFoundError
@@ -109,7 +110,7 @@ def cmd_index(ctx: Ctx) -> int:
             _run_pool(objects, probe, a.threads, stop, "datacache-index")
 
         # 2. hash every object (and count tar/lmdb samples in the local copy hashing makes).
-        progress = _Progress(ctx, total, "hashing", len(objects), "objects")
+        progress = Progress(ctx.quiet, total, "hashing", len(objects), "objects")
         on_bytes = _watch(stop, progress)
 
         def digest(item: tuple[str, int], tmpdir: str) -> None:

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ._cli_common import Ctx, UsageError, _fmt_ranks, _mbps, _Progress, _run_pool, _watch
+from .progress import Progress
+from ._cli_common import Ctx, UsageError, _fmt_ranks, _mbps, _run_pool, _watch
 from ._nodeorder import readonly
 from .config import format_size
 from .dist import plan_nodes
@@ -183,7 +184,7 @@ def _fill(ctx: Ctx, source: ShardSource, sel: _Selection) -> _WarmTally:
     with the cache consistent."""
     a = ctx.args
     tally, stop = _WarmTally(), threading.Event()
-    progress = _Progress(ctx, sum(sel.size_of[s] for s in sel.shards), "warming", len(sel.shards))
+    progress = Progress(ctx.quiet, sum(sel.size_of[s] for s in sel.shards), "warming", len(sel.shards))
     on_bytes = _watch(stop, progress)
 
     def one(shard: int, into: str | None) -> None:

@@ -23,8 +23,6 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tqdm.auto import tqdm
-
 import readers
 from readers import codec
 
@@ -32,6 +30,7 @@ from ._version import __version__
 from .config import parse_size
 from .errors import DatacacheError, DatasetExistsError
 from .hashing import hash_file
+from .progress import Progress
 from .manifest import MANIFEST_NAME, Manifest, ShardInfo, load_manifest
 from .storage import Store, open_store
 
@@ -82,7 +81,7 @@ class DatasetWriter:
         self._current_path = ""
         self._current_count = 0
         self._closed = False
-        self._bar = tqdm(desc=f"writing {self._store.url}", unit="B", unit_scale=True, disable=not progress)
+        self._bar = Progress(not progress, None, f"writing {self._store.url}")
         self.manifest: Manifest | None = None
 
     def __enter__(self) -> "DatasetWriter":
@@ -113,7 +112,7 @@ class DatasetWriter:
         before = self._current.bytes_written
         self._current.write(sample)
         self._current_count += 1
-        self._bar.update(self._current.bytes_written - before)
+        self._bar.add(self._current.bytes_written - before)
         if self._current.bytes_written >= self.shard_bytes:
             self._finish_shard()
 
@@ -132,6 +131,7 @@ class DatasetWriter:
         path, self._current = self._current_path, None
         name = os.path.basename(path)
         info = ShardInfo(name, os.path.getsize(path), self._current_count, hash_file(path))
+        self._bar.item_done()
         self._shards.append(info)  # before the upload: abort() deletes a partly uploaded object too
         self._store.put_file(path, name)
         os.unlink(path)

@@ -113,3 +113,17 @@ def test_progress_off_a_terminal_is_plain_lines(s3_server: Any, tmp_path: Path) 
     progress = [ln for ln in err.split("\n") if ln.startswith("warming:")]
     assert progress and "100%" in progress[-1] and "10/10 shards" in progress[-1], err
     assert len(progress) <= 11  # about one per 10 %, not one per update
+
+
+def test_write_progress_off_a_terminal_is_plain_lines(tmp_path: Path) -> None:
+    """``datacache write`` (the writer's own progress, total unknown): plain lines, no ``\\r``."""
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(f'{{"i": {i}, "text": "{"x" * 200}"}}\n' for i in range(2000)))
+    p = subprocess.run([sys.executable, "-m", "datacache.cli", "write", str(src), str(tmp_path / "ds"),
+                        "--shard-bytes", "64KB"], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                       capture_output=True, timeout=120)
+    err = p.stderr.decode()
+    assert p.returncode == 0, err
+    assert "\r" not in err, err
+    progress = [ln for ln in err.split("\n") if ln.startswith("writing ")]
+    assert progress and "shards" in progress[-1], err
