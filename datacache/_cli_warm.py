@@ -83,6 +83,7 @@ def cmd_warm(ctx: Ctx) -> int:
         counts = np.array([s.samples for s in source.manifest.shards], dtype=np.int64)
         spec = PlanSpec(seed=a.seed, epoch=a.epoch, shuffle=a.shuffle, window=a.window, drop_last=a.drop_last,
                         dp_size=dp_size, dp_rank=dp_ranks[0], num_workers=num_workers, worker_id=0, num_nodes=nodes,
+                        batch_size=a.batch_size,
                         placement=a.placement, shard_bytes=readonly([s.bytes for s in source.manifest.shards]))
         order = warm_order(counts, spec, dp_ranks)
         # Evict (and bypass) by next use in the node's plan, as the dataset does.

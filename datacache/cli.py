@@ -280,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the dataset's placement (default node: each node keeps its shards for the run)")
     g.add_argument("--workers", type=_nonneg_int, default=0,
                    help="DataLoader num_workers per rank (default 0: the main process reads)")
+    g.add_argument("--batch-size", type=_pos_int, default=1,
+                   help="the dataset's batch_size in batched mode (default 1: samples mode)")
     g = p.add_argument_group("how much and how")
     g.add_argument("--bytes", type=_size, default=None, metavar="SIZE", help="warm at most this many bytes")
     g.add_argument("--fraction", type=_fraction, default=None,

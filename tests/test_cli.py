@@ -276,6 +276,21 @@ def test_warm_node_rank_fills_exactly_that_nodes_share(node: Node) -> None:
     assert node.stats()["remote_bytes"] == before["remote_bytes"]
 
 
+def test_warm_batch_size_follows_the_batched_plan(node: Node) -> None:
+    """``warm --batch-size B``: the order of a batched dataset's plan (whole batches dealt to the
+    workers), which differs from the samples-mode order."""
+    url = _write(node)
+    m = load_manifest(open_store(url, node.opts))
+    counts = np.array([s.samples for s in m.shards])
+    orders = {}
+    for bs in (1, 20):
+        spec = PlanSpec(seed=3, dp_size=1, dp_rank=0, num_workers=3, batch_size=bs)
+        dry = run_json(["warm", url, "--workers", "3", "--seed", "3", "--batch-size", str(bs), "--dry-run"], node.env)
+        orders[bs] = [s["name"] for s in dry["shards"]]
+        assert orders[bs] == [m.shards[s].name for s in warm_order(counts, spec, [0])][:len(orders[bs])]
+    assert orders[1] != orders[20]
+
+
 def test_index_parquet_prefix(node: Node) -> None:
     url = node.url()
     store = open_store(url, node.opts)
