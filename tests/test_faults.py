@@ -172,19 +172,26 @@ def test_training_process_killed_while_writing_the_cache(s3_server: Any, make_s3
     ram_data = str(tmp_path / "ram" / "data")
     proc = subprocess.Popen([*H.COMMAND, json.dumps(spec)], cwd=H.ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
+    control = tmp_path / "ssd" / "control"
+    index = Index(str(control))
+
+    def committed_now() -> list[str]:  # entries in the index whose RAM file is in place
+        if not (control / "index.lmdb").exists():
+            return []
+        with index.read() as txn:
+            return [k for k, e in txn.items() if "ram" in e.tiers
+                    and os.path.exists(os.path.join(ram_data, e.tiers["ram"]["file"]))]
     try:
-        def mid_write() -> bool:  # some entries committed, and one being written right now
+        def mid_write() -> bool:  # some entries committed to the index, and one being written right now
             f = H.files(ram_data)
-            return any(not k.startswith(".") for k in f) and any(k.startswith(".tmp-") and v for k, v in f.items())
+            return any(k.startswith(".tmp-") and v for k, v in f.items()) and bool(committed_now())
         H.wait_for(mid_write, 60, "the training process to be mid-write")
         proc.kill()
     finally:
         proc.kill()
         proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    index = Index(str(tmp_path / "ssd" / "control"))  # what the dead process had committed
-    with index.read() as txn:
-        committed = [k for k, e in txn.items() if os.path.exists(os.path.join(ram_data, e.tiers["ram"]["file"]))]
+    committed = committed_now()  # what the dead process had committed
     index.close()
     assert committed
 
