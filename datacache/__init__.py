@@ -8,6 +8,7 @@ Public API (guarded by ``tests/test_api.py``)::
     NodeCache, CacheHandle                  the node cache
     LRUPolicy, ClairvoyantPolicy, Schedule  eviction policies
     StreamingDataset                        the drop-in IterableDataset
+    DataLoader                              torch's DataLoader signature, batching in the dataset (the fast path)
     CachedDataset                           map-style, for your own sampler (plan(indices))
     CacheConfig, PrefetchConfig, TransferConfig, RetryConfig, parse_size
     DatacacheError and subclasses           see datacache.errors
@@ -34,6 +35,10 @@ def __getattr__(name: str) -> object:
         from .dataset import StreamingDataset
 
         return StreamingDataset
+    if name == "DataLoader":
+        from .loader import DataLoader
+
+        return DataLoader
     if name == "CachedDataset":
         from .mapped import CachedDataset
 
@@ -48,7 +53,7 @@ __all__ = [
     "open_store", "Store",
     "NodeCache", "CacheHandle",
     "LRUPolicy", "ClairvoyantPolicy", "Schedule",
-    "StreamingDataset", "CachedDataset",
+    "StreamingDataset", "DataLoader", "CachedDataset",
     "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size",
     "DatacacheError", "StorageError", "TransientStorageError", "ThrottledError", "NotFoundError",
     "PermissionDeniedError",

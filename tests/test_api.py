@@ -10,7 +10,7 @@ from tests.helpers.layers import circles, import_graph
 
 EXPECTED = {
     "__version__", "write_dataset", "DatasetWriter", "Manifest", "ShardInfo", "load_manifest", "open_store", "Store",
-    "NodeCache", "CacheHandle", "LRUPolicy", "ClairvoyantPolicy", "Schedule", "StreamingDataset", "CachedDataset", "CacheConfig",
+    "NodeCache", "CacheHandle", "LRUPolicy", "ClairvoyantPolicy", "Schedule", "StreamingDataset", "DataLoader", "CachedDataset", "CacheConfig",
     "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size", "DatacacheError", "StorageError",
     "TransientStorageError", "ThrottledError", "NotFoundError", "PermissionDeniedError", "ManifestError",
     "IntegrityError",

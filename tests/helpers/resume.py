@@ -128,13 +128,13 @@ def _ids(item: Any) -> list[int]:
 
 
 def _run_rank(make_ds: Callable[..., Any], stage: Stage, r: int, prev: list[Any] | None, epoch: int,
-              loader_batch: int | None) -> tuple[list[int], Any, int]:
+              loader_batch: int | None, loader: Callable[..., Any] | None) -> tuple[list[int], Any, int]:
     """One rank of a stage: (sample ids read, its state, the dataset's sample count)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     ds = make_ds(dp_rank=r, dp_size=stage.dp_size)
-    src = ds if stage.num_workers is None else StatefulDataLoader(ds, num_workers=stage.num_workers,
-                                                                  batch_size=loader_batch)
+    src = ds if stage.num_workers is None else (loader or StatefulDataLoader)(ds, num_workers=stage.num_workers,
+                                                                             batch_size=loader_batch)
     if prev is None:
         ds.set_epoch(epoch)
     elif stage.load == "loader":
@@ -153,13 +153,14 @@ def _run_rank(make_ds: Callable[..., Any], stage: Stage, r: int, prev: list[Any]
 
 
 def check_exactly_once(make_ds: Callable[..., Any], stages: Sequence[Stage], *, epoch: int = 0,
-                       loader_batch: int | None = None) -> list[int]:
+                       loader_batch: int | None = None, loader: Callable[..., Any] | None = None) -> list[int]:
     """Run ``stages`` (each resuming from the one before; the last reads to the end) and check
     exactly once by counting: every sample is read, and the reads exceed the sample count by
     exactly the padding of the last plan (``drop_last=False``): that of the last stage that changed
     the layout, ``(-unread) % dp_size``, with ``unread`` the samples not read before it. So an
     interrupted stage must stop before any rank reaches its padding (the end of the last rank).
-    ``loader_batch``: the StatefulDataLoader's ``batch_size`` (``None`` in batched mode).
+    ``loader_batch``: the StatefulDataLoader's ``batch_size`` (``None`` in batched mode);
+    ``loader``: the loader class (default torchdata's ``StatefulDataLoader``; e.g. ``datacache.DataLoader``).
     Every stage's rank states must agree (``common_state``): ranks save at the same step.
     Returns every sample id read, in order."""
     from datacache.resume import common_state
@@ -175,7 +176,7 @@ def check_exactly_once(make_ds: Callable[..., Any], stages: Sequence[Stage], *, 
             layout = stage.layout
         states = []
         for r in range(stage.dp_size):
-            ids, state, total = _run_rank(make_ds, stage, r, prev, epoch, loader_batch)
+            ids, state, total = _run_rank(make_ds, stage, r, prev, epoch, loader_batch, loader)
             seen += ids
             states.append(state)
         if pad_base is None:  # the first stage: the whole epoch

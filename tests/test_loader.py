@@ -1,0 +1,165 @@
+"""``datacache.DataLoader`` (issue 15, point 6): torch's signature; over a StreamingDataset
+``batch_size=B`` becomes the dataset's batched mode (the loader below gets ``batch_size=None``),
+so the line users write first is the fast one; resumable like ``StatefulDataLoader``; a plain
+torch ``DataLoader(ds, batch_size=B)`` still works; anything else is torch's ``DataLoader``."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import default_collate
+
+import datacache
+from datacache import NodeCache, StreamingDataset, write_dataset
+from datacache._batches import collate
+from tests.helpers.resume import Stage, check_exactly_once, check_resume
+
+N = 500
+pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")]
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    u = f"file://{tmp_path_factory.mktemp('loader')}/ds"
+    write_dataset(({"i": i, "x": np.full(4, i, np.int32)} for i in range(N)), u, shard_bytes=3000, progress=False)
+    return u
+
+
+def ids_of(batch: dict[str, Any]) -> list[int]:
+    assert isinstance(batch["i"], torch.Tensor) and batch["i"].dtype == torch.int64
+    assert batch["x"].dtype == torch.int32 and batch["x"].shape == (len(batch["i"]), 4)
+    assert torch.equal(batch["x"][:, 0].long(), batch["i"]), "batch fields are misaligned"
+    return batch["i"].tolist()
+
+
+def ids_only(samples: list[dict[str, Any]]) -> list[int]:
+    """A custom collate_fn (module level: DataLoader workers unpickle it)."""
+    return [int(s["i"]) for s in samples]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batch_size_becomes_the_datasets_batched_mode(url: str, cache: NodeCache, workers: int,
+                                                      drop_last: bool) -> None:
+    ds = StreamingDataset(url, cache=cache, seed=3)
+    loader = datacache.DataLoader(ds, batch_size=32, num_workers=workers, drop_last=drop_last,
+                                  persistent_workers=workers > 0)
+    assert loader.dataset is ds and ds.batch_size == 32 and loader.batch_size is None  # torch does not batch again
+    assert ds.drop_last is drop_last
+    assert len(loader) == (N // 32 if drop_last else -(-N // 32))
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        batches = [ids_of(b) for b in loader]
+        assert len(batches) == len(loader), f"epoch {epoch}: {len(batches)} batches, len() said {len(loader)}"
+        ids = [i for b in batches for i in b]
+        if drop_last:
+            assert all(len(b) == 32 for b in batches) and len(set(ids)) == len(ids) == N // 32 * 32
+        else:
+            assert sorted(ids) == list(range(N))
+            assert sorted(map(len, batches))[1:] == [32] * (len(batches) - 1), "more than one short batch"
+    del loader
+    ds.close()
+
+
+def test_batches_have_what_torchs_loader_gives(url: str, cache: NodeCache) -> None:
+    """Same structure, dtypes and values per batch as torch's loader collating the same samples."""
+    ds = StreamingDataset(url, cache=cache, shuffle=False)
+    ours = list(datacache.DataLoader(ds, batch_size=50))
+    ds.close()
+    ds = StreamingDataset(url, cache=cache, shuffle=False)
+    theirs = list(TorchDataLoader(ds, batch_size=50))  # samples mode: torch's per-sample path, as today
+    ds.close()
+    assert len(ours) == len(theirs) == N // 50
+    for a, b in zip(ours, theirs):
+        assert list(a) == list(b)
+        for k in b:
+            assert type(a[k]) is type(b[k]) and a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_default_batch_size_is_batches_of_one_and_none_is_samples(url: str, cache: NodeCache) -> None:
+    ds = StreamingDataset(url, cache=cache, shuffle=False)
+    first = next(iter(datacache.DataLoader(ds)))  # torch's default batch_size=1
+    assert ds.batch_size == 1 and first["i"].shape == (1,) and first["x"].shape == (1, 4)
+    ds.close()
+    ds = StreamingDataset(url, cache=cache, shuffle=False)
+    first = next(iter(datacache.DataLoader(ds, batch_size=None)))
+    assert ds.batch_size is None and int(first["i"]) == 0 and first["x"].shape == (4,)
+    ds.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_in_batched_mode_keeps_its_size(url: str, cache: NodeCache, workers: int) -> None:
+    ds = StreamingDataset(url, cache=cache, batch_size=16)
+    batches = [ids_of(b) for b in datacache.DataLoader(ds, num_workers=workers)]  # the issue's form
+    assert sorted(map(len, batches))[1:] == [16] * (len(batches) - 1)
+    assert sorted(i for b in batches for i in b) == list(range(N))
+    with pytest.raises(ValueError, match=r"batch_size=32, but the dataset already yields batches of 16"):
+        datacache.DataLoader(ds, batch_size=32)
+    assert len(list(datacache.DataLoader(ds, batch_size=16))) == len(ds)  # the same size is accepted
+    ds.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_collate_fn_runs_in_the_dataset(url: str, cache: NodeCache, workers: int) -> None:
+    ds = StreamingDataset(url, cache=cache)
+    batches = list(datacache.DataLoader(ds, batch_size=20, collate_fn=ids_only, num_workers=workers))
+    assert ds.collate_fn is ids_only and all(isinstance(b, list) and len(b) == 20 for b in batches)
+    assert sorted(i for b in batches for i in b) == list(range(N))
+    ds.close()
+    ds = StreamingDataset(url, cache=cache)
+    datacache.DataLoader(ds, batch_size=20, collate_fn=default_collate)  # torch's: the ring path gives the same
+    assert ds.collate_fn is collate
+    ds.close()
+
+
+@pytest.mark.parametrize("bad, match", [({"shuffle": True}, "shuffle= is not supported"),
+                                        ({"sampler": [0, 1]}, "sampler= is not supported"),
+                                        ({"batch_size": 0}, "batch_size must be a positive int"),
+                                        ({"batch_size": None, "collate_fn": ids_only}, "collate_fn= needs a batch_size")])
+def test_what_cannot_apply_is_refused_in_one_line(url: str, cache: NodeCache, bad: dict[str, Any],
+                                                  match: str) -> None:
+    ds = StreamingDataset(url, cache=cache)
+    with pytest.raises(ValueError, match=match):
+        datacache.DataLoader(ds, **bad)
+    assert ds.batch_size is None  # refused before the dataset was touched
+    ds.close()
+
+
+def test_plain_torch_dataloader_over_samples_still_works(url: str, cache: NodeCache) -> None:
+    ds = StreamingDataset(url, cache=cache, seed=4)
+    seen = Counter(i for b in TorchDataLoader(ds, batch_size=32, num_workers=2) for i in ids_of(b))
+    assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}
+    ds.close()
+
+
+def test_any_other_dataset_is_torchs_dataloader() -> None:
+    loader = datacache.DataLoader(list(range(10)), batch_size=4, shuffle=False)
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    again = datacache.DataLoader(list(range(10)), batch_size=4)
+    again.load_state_dict(state)
+    assert [b.tolist() for b in again] == [[4, 5, 6, 7], [8, 9]]
+
+
+def _factory(url: str, cache: NodeCache) -> Any:
+    def make_ds(dp_rank: int = 0, dp_size: int = 1) -> StreamingDataset:
+        return StreamingDataset(url, cache=cache, seed=6, dp_rank=dp_rank, dp_size=dp_size)
+    return make_ds
+
+
+@pytest.mark.parametrize("stages", [[Stage(2, 2, 4, load="loader"), Stage(2, 2)], [Stage(2, 2, 4), Stage(3, 1)],
+                                    [Stage(2, 0, 7), Stage(1, 2)]], ids=["same-layout", "more-ranks", "main-then-workers"])
+def test_resume_through_it_is_exactly_once(url: str, cache: NodeCache, stages: list[Stage]) -> None:
+    """States saved from its workers (several ranks), resumed into the same loader or another layout."""
+    check_exactly_once(_factory(url, cache), stages, epoch=1, loader_batch=8, loader=datacache.DataLoader)
+
+
+def test_resume_at_midpoints(url: str, cache: NodeCache) -> None:
+    check_resume(_factory(url, cache), [0, 5, 31, (3, 9)], epoch=2,
+                 make_loader=lambda ds: datacache.DataLoader(ds, batch_size=8, num_workers=2))
