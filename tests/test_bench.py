@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(180)
 def test_bench_datacache_tiny(tmp_path: Path) -> None:
     out = tmp_path / "bench"
-    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--systems", "datacache",
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--systems", "datacache", "--variants", "default",
            "--scenario", "cold,warm,throttle", "--size", "2MB", "--shard-bytes", "256KB", "--sample-bytes", "16KiB",
            "--bandwidth", "1MB", "--latency", "0.002", "--compute", "0.001", "--storm", "3", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
@@ -82,3 +82,115 @@ def test_scale_model_and_plan_scale_small(capsys: pytest.CaptureFixture[str]) ->
     assert "max_requests_per_s" in scale_model.advice(20000, 64, 8 << 20, 64 << 20)
     r = plan_scale.run_case(1_000_000, 1000, nodes=8, ranks=2, workers=2)
     assert r["shards"] == 1000 and r["first_batch_s"] > 0 and r["peak_mb"] > 0
+
+
+def test_shuffle_quality_is_one_for_a_random_permutation_and_low_for_sorted_order() -> None:
+    """tools/bench_quality: the exact random figure (27.5 classes per batch of 32 on 8,000 samples
+    in 100 classes of 80), a seeded random permutation scoring 1.0 against it, and the
+    class-sorted order (one shard after the other) scoring what one class per batch scores."""
+    import numpy as np
+
+    from tools.bench_quality import BatchQuality, class_of, expected_distinct
+
+    assert class_of([0, 79, 80, 7999], 8000).tolist() == [0, 0, 1, 99]  # id // 80
+    assert np.bincount(class_of(np.arange(7629), 7629)).size == 100  # 100 classes at any n
+    exact = expected_distinct(8000, 32)
+    assert 27.5 < exact < 27.6
+    trials = np.random.default_rng(1)  # the same figure by simulation
+    sim = np.mean([np.unique(class_of(trials.choice(8000, 32, replace=False), 8000)).size for _ in range(4000)])
+    assert abs(sim - exact) < 0.1
+    perm, srt = BatchQuality(8000), BatchQuality(8000)
+    order = np.random.default_rng(0).permutation(8000)
+    for i in range(0, 8000, 32):
+        perm.add(order[i:i + 32].tolist())
+        srt.add(list(range(i, i + 32)))
+    p, s = perm.summary(), srt.summary()
+    assert 0.98 <= p["quality"] <= 1.02 and s["quality"] < 0.06
+    assert len(p["quality_curve"]) == 20 and all(0.9 <= c <= 1.1 for c in p["quality_curve"])
+
+
+def _rec(system: str, rep: int, **kw: object) -> dict:
+    base = {"system": system, "family": system.split("+")[0], "variant": "default", "scenario": "cold", "rep": rep}
+    if "error" in kw:
+        return {**base, **kw}
+    return {**base, "phase": "measured", "epoch": 0, "D": 1000, "C": None, "n": 10, "bandwidth": 100.0,
+            "memcpy_rate": 1e9, "sample_bytes": 100, "run_remote_bytes": 1000, "remote_bytes": 1000,
+            "wait": 1.0, "compute": 1.0, "samples": 10, "unique_samples": 10, "first_batch": 0.5,
+            "quality": 0.5, **kw}
+
+
+def test_report_shows_failed_runs_as_failed_with_n_per_cell_never_as_a_win() -> None:
+    """A peer none of whose repetitions completed is 'failed' with its cause, and datacache's
+    target names no comparison with it (the old report said 'ahead of litdata (aborted)'); a
+    failed repetition of a peer that completed others is counted in n; quality is in the table."""
+    from tools import bench_report
+
+    records = [_rec("datacache", 0, wall=12.0), _rec("datacache", 1, wall=11.0),
+               _rec("litdata", 0, wall=30.0, aborted="stopped after 3 batches: no batch and no byte for 90 s"),
+               _rec("litdata", 1, error="exit status 1: ChunkWaitTimeoutError"),
+               _rec("streaming", 0, wall=20.0, quality=0.99), _rec("streaming", 1, error="timed out after 600 s")]
+    text = bench_report.table(bench_report.medians(records), ["cold"])
+    rows = {line.split(" | ")[1]: line for line in text.splitlines()[2:]}
+    assert "| 2 | 11.50 |" in rows["datacache"] and "| 0.50 |" in rows["datacache"]
+    assert "| 0 of 2 | aborted in epoch 1: stopped after 3 batches" in rows["litdata"]
+    assert "| 1 of 2 (failed: failed: timed out after 600 s) | 20.00 |" in rows["streaming"]
+    assert "| 0.99 |" in rows["streaming"]
+    target = rows["datacache"]
+    assert "ahead of litdata" not in target and "no comparison with litdata (litdata failed)" in target
+    assert "ahead of streaming (1.74x streaming, quality 0.99)" in target
+
+
+def test_readme_block_is_replaced_between_its_markers(tmp_path: Path) -> None:
+    from tools.bench_text import BEGIN, END, replace_block
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{BEGIN}\nold table 1.23\n{END}\noutro\n")
+    replace_block(str(readme), f"{BEGIN}\nnew table\n{END}")
+    assert readme.read_text() == f"intro\n{BEGIN}\nnew table\n{END}\noutro\n"
+    (tmp_path / "bare.md").write_text("no markers\n")
+    with pytest.raises(SystemExit, match="no generated benchmark block"):
+        replace_block(str(tmp_path / "bare.md"), "x")
+
+
+@pytest.mark.timeout(300)
+def test_bench_shuffle_scenario_and_readme_regeneration_tiny(tmp_path: Path) -> None:
+    """The shuffle scenario (cold, then warm) with datacache's matched-quality variants, every
+    record with its quality beside wall and first batch, the same loader settings for every
+    variant, and ``--readme``: the raw results published to docs/bench beside the README and its
+    generated block rebuilt; ``bench_report.py docs/bench --readme`` rebuilds the same block."""
+    from tools.bench_text import BEGIN, END
+
+    (tmp_path / "README.md").write_text(f"# x\n{BEGIN}\n{END}\n")
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--systems", "datacache",
+           "--scenario", "shuffle,raw", "--variants", "default,matched", "--size", "4MB", "--shard-bytes", "256KB",
+           "--sample-bytes", "16KiB", "--bandwidth", "4MB", "--latency", "0.002", "--compute", "0.001",
+           "--out", str(out), "--readme", str(tmp_path / "README.md")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=290)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    shuffle = {(r["system"], r["phase"]): r for r in lines if r["scenario"] == "shuffle"}
+    systems = {"datacache", "datacache+match-streaming", "datacache+match-litdata"}
+    assert set(shuffle) == {(s, p) for s in systems for p in ("cold", "warm")}
+    assert {r["system"] for r in lines if r["scenario"] == "raw"} == {"datacache"}  # matched: not in raw
+    for r in lines:
+        assert r["persistent_workers"] is True and r["workers"] == 2 and r["batch_size"] == 32
+        assert 0 < r["quality"] <= 1.2 and r["first_batch"] > 0 and len(r["quality_curve"]) == 20
+        assert r["unique_samples"] == r["n"]
+    assert shuffle[("datacache", "cold")]["remote_bytes"] > 0 and shuffle[("datacache", "warm")]["remote_bytes"] == 0
+    # window 1 mixes less than the default window
+    assert shuffle[("datacache+match-litdata", "warm")]["quality"] < shuffle[("datacache", "warm")]["quality"]
+    published = tmp_path / "docs" / "bench"
+    assert (published / "results.jsonl").read_text() == (out / "results.jsonl").read_text()
+    run = json.loads((published / "run.json").read_text())
+    assert run["settings"]["batch_size"] == 32 and run["commit"]
+    report = (published / "results.md").read_text()
+    assert "## shuffle" in report and "| datacache+match-litdata |" in report and "raw: no compute" in report
+    block = (tmp_path / "README.md").read_text()
+    assert block.startswith(f"# x\n{BEGIN}") and block.rstrip().endswith(END)
+    assert "| raw | datacache | 1 |" in block and "Shuffle quality, cold and warm" in block
+    (tmp_path / "README.md").write_text(f"# x\n{BEGIN}\n{END}\n")
+    regen = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_report.py"), str(published), "--readme",
+                            str(tmp_path / "README.md")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert regen.returncode == 0, regen.stderr[-3000:]
+    assert (tmp_path / "README.md").read_text() == block

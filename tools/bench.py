@@ -1,7 +1,8 @@
 """datacache against its peers on one emulated WAN link: ``python tools/bench.py --out DIR``.
 
-    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle] [--storm 30]
-                          [--systems datacache,streaming,litdata,fsspec] [--reps 3] [--profile SCENARIO] --out DIR
+    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle,nodes,shuffle]
+                          [--systems datacache,streaming,litdata,fsspec] [--variants default,tuned,matched]
+                          [--reps 3] [--storm 30] [--profile SCENARIO] [--readme README.md] --out DIR
 
 Install: ``pip install -c constraints.txt -e '.[bench]'`` (constraints.txt pins the installed torch,
 e.g. ``torch==2.13.0``), then the two peers WITHOUT their dependencies, which would pull a
@@ -30,22 +31,45 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
 - nodes: ``--nodes`` (4) simulated nodes, each one rank process (gloo) x 2 workers with its own
   cache of 0.3 D, 3 epochs: remote bytes per epoch for all nodes together, against the bytes
   ``tools/scale_model.predict_bytes`` predicts from the plan (datacache's default node placement).
+- shuffle: a cold epoch from an empty cache, then a warm epoch from the cache it filled, every
+  system side by side: shuffle quality (overall, and per 5 % of the cold epoch), first-batch time,
+  wall time and remote bytes of each epoch (its own table in the report).
+
+Equal terms: every system gets the same batch size, DataLoader workers and
+``persistent_workers=True``, each through its documented loader (``tools/bench_systems.py``); the
+workers start at the run's first ``iter(loader)``, inside the first measured epoch for every system
+alike, or inside the fill epoch where there is one. Exceptions, per scenario (also printed in
+``results.md``, from ``tools/bench_text.NOTES``): small: batch 256, no compute (every system);
+raw: no compute; limited: ``streaming+tuned`` sets ``shuffle_block_size`` to the samples of C/2
+instead of ``predownload``; the matched-quality variants run in cold, warm and shuffle only.
+
+Shuffle quality, in every scenario beside wall and first-batch time: distinct classes per batch
+over the same for a uniform random permutation, on class-sorted data (the samples are written in
+id order; class = id x 100 // n: ``tools/bench_quality.py``). Matched quality (``--variants``
+``matched``): ``streaming+match-datacache`` (py1e blocks of datacache's window of shards),
+``datacache+match-streaming`` (window = every shard) and ``datacache+match-litdata`` (window 1);
+LitData has no knob that mixes across its chunks.
+
+A failed or aborted repetition stays in ``results.jsonl`` with its cause; the tables print n
+(repetitions completed of run) per cell and show a system none of whose repetitions completed as
+failed, never as beaten. ``--readme README.md`` publishes the run: ``results.jsonl``, ``run.json``,
+``results.md`` and the charts are copied to ``docs/bench`` and the README's generated block is
+rebuilt from them (``python tools/bench_report.py docs/bench --readme README.md`` does the last
+step alone, from the committed files).
 
 Bounds, measured in the same run: link = needed bytes / bandwidth; compute = batches x step time;
 memcpy = D bytes copied in RAM (numpy, best of 3). Output: ``DIR/results.jsonl`` (one line per
-system, scenario, epoch, rep), ``DIR/results.md``, ``DIR/bench_*.png``; ``--profile SCENARIO``
+system, scenario, epoch, rep), ``DIR/run.json``, ``DIR/results.md``, ``DIR/bench_*.png``; ``--profile SCENARIO``
 runs datacache once more under py-spy (all processes and threads; pyinstrument, main process
 only, if py-spy is missing) and saves the report in ``DIR/profile-SCENARIO.*``.
 """
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -60,12 +84,18 @@ if ROOT not in sys.path:
 
 from datacache.config import parse_size  # noqa: E402
 from tools import bench_report  # noqa: E402
+from tools.bench_launch import Meter, launch, memcpy_rate  # noqa: E402
+from tools.bench_text import describe_run  # noqa: E402
+from tools.bench_quality import pooled  # noqa: E402
 
 SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
-VARIANTS = {"datacache": ("default",), "streaming": ("default", "tuned"), "litdata": ("default", "tuned"),
+# "tuned": a peer's one documented speed setting; "match-*": tuned through its documented shuffle
+# knobs to about the named system's shuffle quality (tools/bench_systems.py), run in MATCHED only
+VARIANTS = {"datacache": ("default", "match-streaming", "match-litdata"),
+            "streaming": ("default", "tuned", "match-datacache"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
-SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes")
-RUNNER = os.path.join(ROOT, "tools", "bench_systems.py")
+MATCHED = ("cold", "warm", "shuffle")
+SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes", "shuffle")
 # A new tag when a system's written format changes, so DIR/s3 never serves a stale layout
 # (datacache: incompressible blocks stored raw since the raw-block format).
 FORMAT_TAGS = {"datacache": "datacache-rawblocks"}
@@ -77,7 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="160 MB (small: 20 MB), 1 rep: about 5 minutes")
     p.add_argument("--scenario", default=",".join(SCENARIOS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--variants", default="default,tuned", help="peer settings to run: default, tuned or both")
+    p.add_argument("--variants", default="default,tuned,matched",
+                   help="settings to run: default, tuned, matched (the match-* variants, in cold, warm, shuffle)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
     p.add_argument("--size", help="dataset size (default 500MB; 160MB with --quick)")
     p.add_argument("--small-size", help="1 KiB-sample dataset size (default 100MB; 20MB with --quick)")
@@ -96,6 +127,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profiler", choices=("auto", "py-spy", "pyinstrument"), default="auto",
                    help="auto: py-spy if installed (every process and thread), else pyinstrument (main process)")
     p.add_argument("--run-timeout", type=float, default=600.0, help="seconds before one run is killed")
+    p.add_argument("--readme", metavar="README.md",
+                   help="publish: copy results.jsonl, run.json, results.md and the charts to docs/bench beside "
+                        "this README and regenerate its benchmark block (tools/bench_report.py --readme)")
     a = p.parse_args(argv)
     q = a.quick
     a.reps = a.reps or (1 if q else 3)
@@ -122,7 +156,7 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
     small = name == "small"
     sc = {"name": name, "dataset": "small" if small else "main",
           "batch_size": a.small_batch_size if small else a.batch_size, "workers": a.workers, "compute": a.compute,
-          "phases": ["measured"], "ranks": 1, "cache_bytes": None}
+          "phases": ["measured"], "ranks": 1, "cache_bytes": None, "persistent_workers": True}
     if name in ("warm", "small", "raw"):
         sc["phases"] = ["fill", "measured"]
     if name in ("small", "raw"):
@@ -135,6 +169,8 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
         sc.update(storm=a.storm, storm_at=0.5)  # the storm begins once D/2 has crossed the link
     if name == "nodes":
         sc["phases"], sc["nodes"] = ["measured"] * 3, a.nodes
+    if name == "shuffle":
+        sc["phases"] = ["cold", "warm"]  # from an empty cache, then from the cache it filled
     return sc
 
 
@@ -171,114 +207,6 @@ def storm_figures(link: Any, storm: float, timeline: list, bandwidth: float) -> 
         out["full_rate_s"] = next((round(t - storm, 2) for i, (t, b) in enumerate(after)
                                    for t2, b2 in after[i + 10:i + 11] if (b2 - b) >= 0.8 * bandwidth * (t2 - t)), None)
     return out
-
-
-# ---------------------------------------------------------------- infrastructure
-class Meter:
-    """A loopback HTTP endpoint serving the link's counters to the runner processes."""
-
-    def __init__(self, link: Any) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                body = json.dumps(link.snapshot()).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
-        threading.Thread(target=self.server.serve_forever, daemon=True, name="bench-meter").start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def memcpy_rate(nbytes: int) -> float:
-    """Bytes/s of a numpy copy of an ``nbytes`` buffer in RAM, best of 3."""
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
-               LITDATA_DISABLE_VERSION_CHECK="1", AWS_EC2_METADATA_DISABLED="true", TQDM_DISABLE="1")
-    return env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def launch(cmd: str, spec: dict[str, Any], path: str, timeout: float, ranks: int = 1,
-           wrap: list[str] | None = None, nodes: int = 1) -> dict[str, Any]:
-    """Run the runner on ``spec`` in a fresh process (torchrun for ranks > 1; ``nodes`` processes,
-    one rank per simulated node, with the launcher variables set by hand); its JSON result."""
-    spec = {**spec, "result": path}
-    with open(path + ".spec.json", "w") as f:
-        json.dump(spec, f)
-    argv = [sys.executable, RUNNER, cmd, path + ".spec.json"]
-    if ranks > 1:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] + argv[1:]
-    argv = (wrap or []) + argv
-    env = _env()
-    env.update(spec.get("env", {}))
-    ranks = max(ranks, nodes)
-    for p in [path] + [f"{path}.rank{r}" for r in range(ranks)]:
-        if os.path.exists(p):
-            os.unlink(p)
-    port = str(_free_port())
-    node_env = [{}] if nodes == 1 else [
-        {"RANK": str(k), "WORLD_SIZE": str(nodes), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "BENCH_NODE": str(k),
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for k in range(nodes)]
-    with open(path + ".log", "wb") as log:
-        procs = [subprocess.Popen(argv, cwd=ROOT, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True) for extra in node_env]
-        deadline, rc = time.monotonic() + timeout, 0
-        for proc in procs:
-            try:
-                rc = rc or proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                rc = None
-                break
-        for proc in procs:
-            try:  # whatever the run left behind (DataLoader workers of an aborted run, a hung rank)
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        if rc is None:
-            return {"error": f"timed out after {timeout:.0f} s (log: {path}.log)"}
-    outs = [path] if ranks == 1 else [f"{path}.rank{r}" for r in range(ranks)]
-    if rc != 0 or not all(os.path.exists(p) for p in outs):
-        with open(path + ".log", errors="replace") as f:
-            tail = f.read()[-1500:]
-        last = " | ".join(line.strip() for line in tail.strip().splitlines()[-3:])
-        return {"error": f"exit status {rc}: {last[-300:]} (log: {path}.log)"}
-    results = []
-    for p in outs:
-        with open(p) as f:
-            results.append(json.load(f))
-    if ranks > 1 and "records" in results[0]:
-        results[0]["rank_own_walls"] = [[r["own_wall"] for r in res["records"]] for res in results]
-        results[0]["rank_samples"] = [[r["samples"] for r in res["records"]] for res in results]
-    return results[0]
 
 
 # ---------------------------------------------------------------- datasets
@@ -340,6 +268,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
             "cache_dir": cache_dir, "ssd_dir": cache_dir.replace("/dev/shm", a.tmp, 1) + "-ssd",
             "meter_url": ctx["meter"].url,
             "samples_per_shard": max(1, a.shard_bytes // info["sample_bytes"]), "sample_bytes": info["sample_bytes"],
+            "n": info["n"], "shards": ctx["datasets"][f"datacache/{sc['dataset']}"].get("files", 1),
             "max_epoch_bytes": 8 * D,
             "env": {"S3_ENDPOINT_URL": link.endpoint_url, "AWS_ACCESS_KEY_ID": opts["key"],
                     "AWS_SECRET_ACCESS_KEY": opts["secret"], "AWS_DEFAULT_REGION": "us-east-1"}}
@@ -375,6 +304,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
         return [{**base, **({"unavailable": res["unavailable"]} if "unavailable" in res else {"error": res["error"]})}]
     common = {"D": D, "C": sc["cache_bytes"], "n": info["n"], "sample_bytes": info["sample_bytes"],
               "shard_bytes": a.shard_bytes, "batch_size": sc["batch_size"], "workers": sc["workers"],
+              "persistent_workers": sc["persistent_workers"],
               "ranks": sc["ranks"], "bandwidth": a.bandwidth, "latency": a.latency, "memcpy_rate": ctx["memcpy_rate"],
               "run_remote_bytes": run_bytes, "run_seconds": time.time() - t0}
     if sc.get("storm"):
@@ -388,6 +318,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
             rec["rank_own_walls"] = [w[r["epoch"]] for w in res["rank_own_walls"]]
             rec["rank_samples"] = [n[r["epoch"]] for n in res["rank_samples"]]
             rec["samples"] = sum(rec["rank_samples"])  # the node's
+            rec["quality"] = pooled([q[r["epoch"]] for q in res["rank_quality"]])  # every rank's batches
         out.append(rec)
     return out
 
@@ -422,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     command = " ".join(["python", "tools/bench.py"] + (sys.argv[1:] if argv is None else list(argv)))
     scs = [scenario(s, a) for s in a.scenarios]
+    chosen = a.variants.split(",")
     variants = [(s, v) for s in a.system_list for v in VARIANTS[s]
-                if v == "default" or v in a.variants.split(",")]
+                if v == "default" or v in chosen or (v.startswith("match-") and "matched" in chosen)]
     jsonl = os.path.join(a.out, "results.jsonl")
     open(jsonl, "w").close()
     records: list[dict[str, Any]] = []
@@ -443,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             order = variants[rep % len(variants):] + variants[:rep % len(variants)]
             for sc in scs:
                 for system, variant in order:
+                    if variant.startswith("match-") and sc["name"] not in MATCHED:
+                        continue
                     recs = run_one(a, ctx, system, variant, sc, rep)
                     records += recs
                     with open(jsonl, "a") as f:
@@ -453,9 +387,23 @@ def main(argv: list[str] | None = None) -> int:
             base = os.path.join(os.path.abspath(a.out), f"profile-{a.profile}")
             recs = run_one(a, ctx, "datacache", "default", sc, rep=-1, profile=base)
             print("profile: " + bench_report.summarize_profile(base), flush=True)
-    table = bench_report.write_report(a.out, records, command=command, settings=vars(a))
-    print("\n" + table)
+    run = describe_run(vars(a), command)
+    with open(os.path.join(a.out, "run.json"), "w") as f:
+        json.dump(run, f, indent=1)
+    print("\n" + bench_report.write_report(a.out, records, run=run))
+    if a.readme:
+        publish(a.out, a.readme)
     return 0
+
+
+def publish(out: str, readme: str) -> None:
+    """Copy the raw results and the report next to the README (docs/bench) and regenerate its block."""
+    dest = os.path.join(os.path.dirname(os.path.abspath(readme)), "docs", "bench")
+    os.makedirs(dest, exist_ok=True)
+    for name in sorted(os.listdir(out)):
+        if name in ("results.jsonl", "run.json", "results.md") or (name.startswith("bench_") and name.endswith(".png")):
+            shutil.copyfile(os.path.join(out, name), os.path.join(dest, name))
+    bench_report.main([dest, "--readme", readme])
 
 
 if __name__ == "__main__":

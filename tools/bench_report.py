@@ -1,21 +1,39 @@
-"""The report of ``tools/bench.py``: medians, bounds, datacache's targets, the markdown table, charts.
+"""The report of ``tools/bench.py``: medians, bounds, datacache's targets, the markdown tables, charts.
+
+    python tools/bench_report.py DIR [--readme README.md]
+
+regenerates ``DIR/results.md`` and the charts from ``DIR/results.jsonl`` (every repetition, as
+the run wrote it) and ``DIR/run.json`` (its command, settings, machine, commit), and with
+``--readme`` replaces the README's generated block (between ``BEGIN`` and ``END`` below):
+``python tools/bench_report.py docs/bench --readme README.md`` rebuilds the published tables from
+the committed raw file.
 
 Per (scenario, system, rep) the measured epochs are summed (wall, wait, samples, batches); medians
-are taken over reps. Bounds: link = bytes that must cross the link / bandwidth (D for a cold
-epoch, D - C for a limited epoch after the first, 0 when warm); compute = batches x step time;
-memcpy = D / measured copy rate. The relevant bound is the largest of the three.
+are taken over the repetitions that completed, and every cell prints n (completed of run); a
+repetition that failed is listed with its cause, and a system none of whose repetitions completed
+is shown as failed, never as a rival datacache beat. Bounds: link = bytes that must cross the link
+/ bandwidth (D for a cold epoch, D - C for a limited epoch after the first, 0 when warm); compute =
+batches x step time; memcpy = D / measured copy rate. The relevant bound is the largest of the
+three. Quality: ``tools/bench_quality.py`` (1.0 = a uniform random permutation).
 """
 from __future__ import annotations
 
-import datetime
+import argparse
+import json
 import os
-import platform
 import statistics
+import sys
 from collections import defaultdict
 from typing import Any
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tools.bench_plots import charts, order_key, summarize_profile  # noqa: E402,F401 - bench.py uses it
+from tools.bench_text import NOTES, head_lines, machine_line, readme_block, replace_block  # noqa: E402,F401
+
 PEERS = ("streaming", "litdata")
-ORDER = ("datacache", "streaming", "streaming+tuned", "litdata", "litdata+tuned", "fsspec")
 
 
 def _needed_bytes(scenario: str, epoch_index: int, D: int, C: int | None) -> int:
@@ -23,16 +41,26 @@ def _needed_bytes(scenario: str, epoch_index: int, D: int, C: int | None) -> int
         return D
     if scenario == "limited":
         return D if epoch_index == 0 else D - (C or 0)
+    if scenario == "shuffle":
+        return D if epoch_index == 0 else 0
     return 0
+
+
+def failure(r0: dict[str, Any]) -> str | None:
+    """Why this run has no figures ('unavailable: ...', 'failed: ...', 'aborted ...'), or None."""
+    if "wall" not in r0:
+        why = f"unavailable: {r0['unavailable']}" if "unavailable" in r0 else f"failed: {r0.get('error')}"
+        return " ".join(why.split())
+    return None
 
 
 def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
     """One (scenario, system, rep): totals over its measured epochs and its bounds."""
     r0 = recs[0]
-    if "wall" not in r0:
-        why = f"unavailable: {r0['unavailable']}" if "unavailable" in r0 else f"failed: {r0.get('error')}"
-        return {"failed": " ".join(why.split())}
-    m = [r for r in recs if r["phase"] == "measured"]
+    why = failure(r0)
+    if why:
+        return {"failed": why, "unavailable": why.startswith("unavailable")}
+    m = [r for r in recs if r["phase"] != "fill"]
     sc, D, C = r0["scenario"], r0["D"], r0["C"]
     bad = next((r for r in recs if "aborted" in r), None)
     if bad is not None:
@@ -46,39 +74,74 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
     if sc in ("cold", "ranks", "throttle"):
         remote = [r0["run_remote_bytes"]]  # the whole process: dataset open + epoch
     samples = sum(r["samples"] for r in m)
+    quality = [r["quality"] for r in m if r.get("quality") is not None]
     return {"wall": wall, "wait_pct": 100 * sum(r["wait"] for r in m) / wall, "remote": remote,
             "samples_s": samples / wall, "samples": samples, "first_batch": m[0].get("first_batch") or 0.0,
             "gb_s": samples * r0["sample_bytes"] / wall / 1e9,
             "memcpy_gb_s": r0["memcpy_rate"] / 1e9, "link": link, "compute": compute, "memcpy": memcpy,
             "bound": max(link, compute, memcpy), "D": D, "C": C,
             "exactly_once": all(r["samples"] == r0["n"] == r.get("unique_samples", r0["n"]) for r in m),
+            **({"quality": sum(quality) / len(quality)} if quality else {}),
             **({"throttled": r0["throttled_requests"], "storm": r0["storm"],
                 "late_rate": r0["late_requests_per_s"]} if "storm" in r0 else {}),
             **({"predicted": r0["predicted_remote"]} if r0.get("predicted_remote") else {})}
 
 
-def medians(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+def runs_of(records: list[dict[str, Any]]) -> dict[tuple[str, str], list[list[dict[str, Any]]]]:
+    """{(scenario, system): [one rep's records, ...]} (profile runs, rep -1, left out)."""
     runs: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
-        if r.get("rep", 0) >= 0:
+        if r.get("rep", 0) >= 0 and "scenario" in r:
             runs[(r["scenario"], r["system"], r["rep"])].append(r)
-    by: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for (sc, system, _), recs in runs.items():
-        by[(sc, system)].append(summarize_run(recs))
-    out = {}
-    for key, sums in by.items():
-        ok = [s for s in sums if "failed" not in s]
-        if not ok:
-            out[key] = {"failed": sums[0]["failed"], "aborted": any(s.get("aborted") for s in sums), "reps": 0}
-            continue
-        med = {k: statistics.median(s[k] for s in ok) for k in ok[0] if isinstance(ok[0][k], (int, float))}
-        med["remote"] = [statistics.median(s["remote"][i] for s in ok) for i in range(len(ok[0]["remote"]))]
-        med["reps"] = len(ok)
-        med["C"] = ok[0]["C"]
-        if "predicted" in ok[0]:
-            med["predicted"] = ok[0]["predicted"]
-        out[key] = med
-    return out
+    by: dict[tuple[str, str], list[list[dict[str, Any]]]] = defaultdict(list)
+    for (sc, system, _), recs in sorted(runs.items(), key=lambda kv: kv[0][2]):
+        by[(sc, system)].append(recs)
+    return by
+
+
+def median_of(sums: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the completed summaries, with ``n`` (completed), ``reps`` (run) and the failures."""
+    ok = [s for s in sums if "failed" not in s]
+    fails = [s["failed"] for s in sums if "failed" in s]
+    if not ok:
+        return {"failed": fails[0], "aborted": any(s.get("aborted") for s in sums), "n": 0, "reps": len(sums),
+                "failures": fails, "unavailable": all(s.get("unavailable") for s in sums)}
+    med: dict[str, Any] = {k: statistics.median(s[k] for s in ok if k in s) for k in ok[0]
+                           if isinstance(ok[0][k], (int, float))}
+    med["remote"] = [statistics.median(s["remote"][i] for s in ok) for i in range(len(ok[0]["remote"]))]
+    med.update(n=len(ok), reps=len(sums), failures=fails, C=ok[0]["C"])
+    if "predicted" in ok[0]:
+        med["predicted"] = ok[0]["predicted"]
+    return med
+
+
+def medians(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {key: median_of([summarize_run(recs) for recs in reps]) for key, reps in runs_of(records).items()}
+
+
+def n_cell(m: dict[str, Any]) -> str:
+    """'3', or '2 of 3 (failed: cause)'."""
+    if m["n"] == m["reps"]:
+        return str(m["n"])
+    return f"{m['n']} of {m['reps']} (failed: {m['failures'][0][:80]})"
+
+
+def versus(family: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> tuple[bool | None, str]:
+    """datacache against the family's fastest completed variant; None (no comparison) when none
+    completed every sample exactly once: a failed or lossy peer is never counted as beaten."""
+    members = {name: p for name, p in peers.items() if name.split("+")[0] == family}
+    if not members:
+        return None, f"{family} not run"
+    ok = {name: p for name, p in members.items() if "failed" not in p}
+    fam = {name: p for name, p in ok.items() if p.get("exactly_once", 1) == 1}
+    if not fam:
+        why = "not every sample exactly once" if ok else "; ".join(
+            f"{name} failed" if not p.get("unavailable") else f"{name} unavailable" for name, p in members.items())
+        return None, f"no comparison with {family} ({why})"
+    name, best = min(fam.items(), key=lambda kv: kv[1]["wall"])
+    q = f", quality {best['quality']:.2f}" if "quality" in best else ""
+    return dc["wall"] < best["wall"], (f"{'ahead of' if dc['wall'] < best['wall'] else 'behind'} {family} "
+                                       f"({best['wall'] / dc['wall']:.2f}x {name}{q})")
 
 
 def targets(sc: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> str:
@@ -119,78 +182,99 @@ def targets(sc: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> st
     elif sc == "raw":
         frac = dc["gb_s"] / dc["memcpy_gb_s"]
         checks.append((frac >= 0.25, f"{100 * frac:.0f}% of memcpy (>=25%)"))
-    for family in PEERS:
-        ran = [p for name, p in peers.items() if name.split("+")[0] == family and "failed" not in p]
-        fam = [p for p in ran if p.get("exactly_once", 1) == 1]  # a run that lost samples is no rival
-        if ran and not fam:
-            checks.append((True, f"ahead of {family} (not every sample exactly once)"))
-        elif fam:
-            best = min(p["wall"] for p in fam)
-            checks.append((dc["wall"] < best, f"{'ahead of' if dc['wall'] < best else 'behind'} {family} "
-                                              f"({best / dc['wall']:.2f}x)"))
-        elif any(p.get("aborted") for name, p in peers.items() if name.split("+")[0] == family):
-            checks.append((True, f"ahead of {family} (aborted)"))
-        else:
-            checks.append((True, f"{family} n/a"))
-    ok = all(c for c, _ in checks)
-    return ("met: " if ok else "MISSED: ") + "; ".join(t if c else f"**{t}**" for c, t in checks)
+    elif sc == "shuffle" and "quality" in dc:
+        checks.append((dc["quality"] >= 0.95, f"quality {dc['quality']:.2f} of random (>=0.95)"))
+    checks += [versus(family, dc, peers) for family in PEERS]
+    ok = all(c for c, _ in checks if c is not None)
+    return ("met: " if ok else "MISSED: ") + "; ".join(t if c is not False else f"**{t}**" for c, t in checks)
+
+
+def _throughput(sc: str, m: dict[str, Any]) -> str:
+    if sc == "raw":
+        return f"{m['gb_s']:.2f} GB/s ({100 * m['gb_s'] / m['memcpy_gb_s']:.0f}% memcpy)"
+    if sc == "throttle":
+        once = "exactly once" if m["exactly_once"] == 1 else "NOT exactly once"
+        return f"{m['samples_s']:,.0f} samples/s, {m['throttled']:.0f} throttled requests, {once}"
+    return f"{m['samples_s']:,.0f} samples/s"
+
+
+def systems_in(meds: dict[tuple[str, str], dict[str, Any]], sc: str) -> list[str]:
+    return sorted({s for (c, s) in meds if c == sc}, key=order_key)
 
 
 def table(meds: dict[tuple[str, str], dict[str, Any]], scenarios: list[str]) -> str:
-    rows = ["| scenario | system | wall s | wait % | first batch s | remote MB | samples | throughput | bound s "
-            "| wall / bound | datacache target |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| scenario | system | n | wall s | wait % | first batch s | quality | remote MB | samples | throughput "
+            "| bound s | wall / bound | datacache target |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for sc in scenarios:
-        systems = sorted({s for (c, s) in meds if c == sc}, key=lambda s: ORDER.index(s) if s in ORDER else 99)
+        systems = systems_in(meds, sc)
         peers = {s: meds[(sc, s)] for s in systems if s.split("+")[0] in PEERS}
         for s in systems:
             m = meds[(sc, s)]
             if "failed" in m:
-                rows.append(f"| {sc} | {s} | {m['failed'][:160]} | | | | | | | | |")
+                rows.append(f"| {sc} | {s} | 0 of {m['reps']} | {m['failed'][:160]} | | | | | | | | | |")
                 continue
             remote = " / ".join(f"{b / 1e6:.1f}" for b in m["remote"])
-            thr = f"{m['samples_s']:,.0f} samples/s" if sc == "small" else \
-                f"{m['gb_s']:.2f} GB/s ({100 * m['gb_s'] / m['memcpy_gb_s']:.0f}% memcpy)" if sc == "raw" else \
-                f"{m['samples_s']:,.0f} samples/s, {m['throttled']:.0f} throttled requests, " \
-                f"{'exactly once' if m['exactly_once'] == 1 else 'NOT exactly once'}" if sc == "throttle" else \
-                f"{m['samples_s']:,.0f} samples/s"
+            q = f"{m['quality']:.2f}" if "quality" in m else "-"
             tgt = targets(sc, m, peers) if s == "datacache" else ""
             ratio = f"{m['wall'] / m['bound']:.2f}" if m["bound"] > 0 else "-"
-            rows.append(f"| {sc} | {s} | {m['wall']:.2f} | {m['wait_pct']:.1f} | {m['first_batch']:.2f} | {remote} | "
-                        f"{m['samples']:,.0f} | {thr} | {m['bound']:.2f} | {ratio} | {tgt} |")
+            rows.append(f"| {sc} | {s} | {n_cell(m)} | {m['wall']:.2f} | {m['wait_pct']:.1f} | {m['first_batch']:.2f} "
+                        f"| {q} | {remote} | {m['samples']:,.0f} | {_throughput(sc, m)} | {m['bound']:.2f} | {ratio} "
+                        f"| {tgt} |")
     return "\n".join(rows)
 
 
-def machine() -> str:
-    mem = 0
-    try:
-        with open("/proc/meminfo") as f:
-            mem = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
-    except (OSError, StopIteration):
-        pass
-    return (f"{platform.node()}: {os.cpu_count()} CPUs, {mem / 2**30:.1f} GiB RAM, Python {platform.python_version()}, "
-            f"{datetime.datetime.now().isoformat(timespec='seconds')}")
+def shuffle_figures(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shuffle scenario's figures of one rep, per phase (cold, warm)."""
+    why = failure(recs[0]) or next((f"aborted: {r['aborted']}" for r in recs if "aborted" in r), None)
+    if why:
+        return {"failed": why}
+    out: dict[str, Any] = {}
+    for r in recs:
+        curve = r.get("quality_curve") or []
+        out.update({f"{r['phase']}_wall": r["wall"], f"{r['phase']}_first": r["first_batch"] or 0.0,
+                    f"{r['phase']}_remote": r["remote_bytes"], f"{r['phase']}_quality": r.get("quality", 0.0),
+                    f"{r['phase']}_after5": min((c for c in curve[1:] if c is not None), default=0.0)})
+        out[f"{r['phase']}_curve"] = curve
+    out["exactly_once"] = float(all(r["samples"] == r["n"] == r.get("unique_samples") for r in recs))
+    return out
 
 
-def write_report(out: str, records: list[dict[str, Any]], *, command: str, settings: dict[str, Any]) -> str:
+def shuffle_table(records: list[dict[str, Any]], curves: bool = True) -> str:
+    """Cold and warm side by side: quality (overall; the worst 5 % of the cold epoch after its
+    first 5 %), first batch, wall, remote bytes; with ``curves``, the cold quality per 5 %."""
+    rows = ["| system | n | cold: first batch s | wall s | remote MB | quality | worst 5 % after the first "
+            "| warm: first batch s | wall s | remote MB | quality |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    curve_rows = []
+    runs = {s: reps for (sc, s), reps in runs_of(records).items() if sc == "shuffle"}
+    for s in sorted(runs, key=order_key):
+        figs = [shuffle_figures(recs) for recs in runs[s]]
+        ok = [f for f in figs if "failed" not in f]
+        if not ok:
+            rows.append(f"| {s} | 0 of {len(figs)} | {figs[0]['failed'][:160]} | | | | | | | | |")
+            continue
+        med = {k: statistics.median(f[k] for f in ok) for k in ok[0] if not k.endswith("_curve")}
+        n = str(len(ok)) if len(ok) == len(figs) else f"{len(ok)} of {len(figs)}"
+        rows.append(f"| {s} | {n} | {med['cold_first']:.2f} | {med['cold_wall']:.2f} | {med['cold_remote'] / 1e6:.1f} "
+                    f"| {med['cold_quality']:.2f} | {med['cold_after5']:.2f} | {med['warm_first']:.2f} "
+                    f"| {med['warm_wall']:.2f} | {med['warm_remote'] / 1e6:.1f} | {med['warm_quality']:.2f} |")
+        curve = [statistics.median(c for c in col if c is not None) if any(c is not None for c in col) else None
+                 for col in zip(*(f["cold_curve"] for f in ok))]
+        curve_rows.append(f"| {s} | " + " ".join("-" if c is None else f"{c:.2f}" for c in curve) + " |")
+    text = "\n".join(rows)
+    if curves and curve_rows:
+        text += ("\n\nCold epoch, quality of the batches in each 5 % of the epoch (median over reps):\n\n"
+                 "| system | quality per 5 % of the cold epoch |\n|---|---|\n" + "\n".join(curve_rows))
+    return text
+
+
+def write_report(out: str, records: list[dict[str, Any]], *, run: dict[str, Any]) -> str:
+    """DIR/results.md (and the charts) from the records and the run's description; returns the text."""
     meds = medians(records)
-    scenarios = list(dict.fromkeys(r["scenario"] for r in records))
-    t = table(meds, scenarios)
-    s = settings
-    head = ["# datacache benchmark\n", f"- machine: {machine()}", f"- command: `{command}`",
-            f"- link: {s['bandwidth'] / 1e6:.0f} MB/s shared, {s['latency'] * 1e3:.0f} ms per request; dataset "
-            f"{s['size'] / 1e6:.0f} MB of {s['sample_bytes']} B samples in {s['shard_bytes'] / 1e6:.0f} MB shards "
-            f"(small: {s['small_size'] / 1e6:.0f} MB of {s['small_sample_bytes']} B); batch {s['batch_size']} "
-            f"(small {s['small_batch_size']}), {s['workers']} workers, {s['compute'] * 1e3:.0f} ms compute per batch; "
-            f"medians of {s['reps']} rep(s)",
-            "- remote MB is measured at the link proxy; for limited it is per epoch; bound = max(link, compute, "
-            "memcpy) (see tools/bench_report.py); first batch s: from iter(loader) to the first batch",
-            "- peers: defaults, and `+tuned`: streaming `predownload` = 4 shards per worker (limited: "
-            "`shuffle_block_size` = samples of C/2), litdata `max_pre_download=8`; work-arounds (stub torchvision/"
-            "transformers imports for streaming, obstore `allow_http` for litdata, streaming's boto3 client "
-            "dropped before the workers fork) are documented in tools/bench_systems.py",
-            "- a run that pulls more than 8 x D in one epoch (thrashing), or moves no batch and no byte for 90 s "
-            "(stalled), is stopped and reported as aborted\n"]
-    text = "\n".join(head) + "\n" + t + "\n"
+    scenarios = list(dict.fromkeys(r["scenario"] for r in records if "scenario" in r))
+    main = [sc for sc in scenarios if sc != "shuffle"]  # shuffle: its own table (cold and warm apart)
+    text = "# datacache benchmark\n\n" + "\n".join(head_lines(run, scenarios)) + "\n\n" + table(meds, main) + "\n"
+    if "shuffle" in scenarios:
+        text += "\n## shuffle\n\n" + shuffle_table(records) + "\n"
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
     try:
@@ -200,126 +284,58 @@ def write_report(out: str, records: list[dict[str, Any]], *, command: str, setti
     return text
 
 
-def charts(out: str, meds: dict[tuple[str, str], dict[str, Any]], scenarios: list[str],
-           records: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(scenarios), 1, figsize=(8, 1.9 * len(scenarios) + 0.5), squeeze=False)
-    for ax, sc in zip(axes[:, 0], scenarios):
-        systems = sorted({s for (c, s) in meds if c == sc and "failed" not in meds[(c, s)]},
-                         key=lambda s: ORDER.index(s) if s in ORDER else 99)
-        walls = [meds[(sc, s)]["wall"] for s in systems]
-        ax.barh(systems, walls, color=["tab:green" if s == "datacache" else "tab:gray" for s in systems])
-        failed = [s for (c, s) in meds if c == sc and "failed" in meds[(c, s)]]
-        if failed:
-            ax.text(0.99, 0.5, "not shown: " + ", ".join(f"{s} ({meds[(sc, s)]['failed'].split(':')[0]})"
-                                                        for s in failed),
-                    transform=ax.transAxes, ha="right", va="center", fontsize=7, color="tab:red")
-        bound = max((meds[(sc, s)]["bound"] for s in systems), default=0)
-        if bound:
-            ax.axvline(bound, color="tab:red", ls="--", lw=1, label="bound")
-            ax.legend(loc="lower right", fontsize=7)
-        ax.set_title(f"{sc}: wall s (lower is better)", fontsize=9)
-        ax.invert_yaxis()
-        ax.tick_params(labelsize=8)
-    _save(fig, out, "bench_wall.png")
-    cold = [r for r in records if r["scenario"] == "cold" and r.get("rep") == 0 and r.get("link_timeline")]
-    if cold:  # when did each system keep the link busy?
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        for r in sorted(cold, key=lambda r: ORDER.index(r["system"]) if r["system"] in ORDER else 99):
-            ts = [0.0] + [t for t, _ in r["link_timeline"]] + [r["wall"]]
-            bs = [0.0] + [b / 1e6 for _, b in r["link_timeline"]] + [r["remote_bytes"] / 1e6]
-            ax.plot(ts, bs, label=r["system"], lw=2 if r["system"] == "datacache" else 1)
-        bw = cold[0]["bandwidth"] / 1e6
-        ax.plot([0, cold[0]["D"] / 1e6 / bw], [0, cold[0]["D"] / 1e6], "k--", lw=1, label=f"{bw:.0f} MB/s from t=0")
-        ax.set_xlabel("s since the epoch began")
-        ax.set_ylabel("remote MB (at the proxy)")
-        _titled(ax, "cold epoch: bytes across the link over time (rep 0)")
-        _save(fig, out, "bench_cold_link.png")
-    lim = {s: m for (c, s), m in meds.items() if c == "limited" and "failed" not in m}
-    if lim:
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        names = sorted(lim, key=lambda s: ORDER.index(s) if s in ORDER else 99)
-        width = 0.8 / max(len(names), 1)
-        for i, s in enumerate(names):
-            xs = [e + i * width for e in range(len(lim[s]["remote"]))]
-            ax.bar(xs, [b / 1e6 for b in lim[s]["remote"]], width, label=s)
-        m = next(iter(lim.values()))
-        ax.axhline((m["D"] - m["C"]) / 1e6, color="tab:red", ls="--", lw=1, label="D - C")
-        ax.set_xlabel("epoch")
-        epochs = range(len(m["remote"]))
-        ax.set_xticks([e + 0.4 - width / 2 for e in epochs], [str(e + 1) for e in epochs])
-        ax.set_ylabel("remote MB")
-        _titled(ax, "limited (C = D/2): remote bytes per epoch")
-        _save(fig, out, "bench_limited.png")
-
-
-def _titled(ax: Any, title: str) -> None:
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-
-
-def _save(fig: Any, out: str, name: str) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, name), dpi=100)
-    plt.close(fig)
+def readme_tables(records: list[dict[str, Any]], run: dict[str, Any]) -> str:
+    """The README's generated block: the run's description, the tables, datacache's targets."""
+    meds = medians(records)
+    scenarios = list(dict.fromkeys(r["scenario"] for r in records if "scenario" in r))
+    verdicts = {sc: targets(sc, meds[(sc, "datacache")], {s: meds[(sc, s)] for s in systems_in(meds, sc)
+                                                            if s.split("+")[0] in PEERS})
+                for sc in scenarios if (sc, "datacache") in meds}
+    shuffle = shuffle_table(records, curves=False) if "shuffle" in scenarios else ""
+    main = [sc for sc in scenarios if sc != "shuffle"]
+    return readme_block(run, scenarios, table(meds, main), shuffle, verdicts)
 
 
 def progress_line(recs: list[dict[str, Any]]) -> str:
     r0 = recs[0]
-    head = f"{r0['scenario']:8s} {r0['system']:16s} rep {r0['rep']}:"
+    head = f"{r0['scenario']:8s} {r0['system']:26s} rep {r0['rep']}:"
     s = summarize_run(recs)
     if "failed" in s:
         return f"{head} {s['failed'][:300]}"
     remote = "/".join(f"{b / 1e6:.1f}" for b in s["remote"])
     storm = (f", {s['throttled']} requests throttled in a {s['storm']:.0f} s storm, "
              f"{'exactly once' if s['exactly_once'] else 'NOT exactly once'}") if "storm" in s else ""
+    q = f", quality {s['quality']:.2f}" if "quality" in s else ""
     return (f"{head} wall {s['wall']:.2f} s (bound {s['bound']:.2f}), wait {s['wait_pct']:.1f}% (first batch "
-            f"{s['first_batch']:.2f} s), remote {remote} MB, {s['samples_s']:,.0f} samples/s{storm}")
+            f"{s['first_batch']:.2f} s), remote {remote} MB, {s['samples_s']:,.0f} samples/s{q}{storm}")
 
 
-def summarize_profile(base: str, top: int = 25) -> str:
-    """Top frames by self and by inclusive samples from py-spy's raw output; writes ``base + '.md'``."""
-    raw = base + ".pyspy.txt"
-    if not os.path.exists(raw):
-        return base + ".txt (pyinstrument, main process)" if os.path.exists(base + ".txt") else "no profile written"
-    own: dict[str, int] = defaultdict(int)
-    incl: dict[str, int] = defaultdict(int)
-    where: dict[str, int] = defaultdict(int)
-    total = 0
-    with open(raw) as f:
-        for line in f:
-            stack, _, count = line.rstrip("\n").rpartition(" ")
-            if not count.isdigit():
-                continue
-            n = int(count)
-            total += n
-            parts = stack.split(";")
-            procs = [p for p in parts if p.startswith("process ")]
-            thread = next((p for p in parts if p.startswith("thread ")), "thread ?")
-            name = thread.split(": ", 1)[1] if ": " in thread else "(unnamed)"
-            where[f"{'main process' if len(procs) <= 1 else 'DataLoader worker'} / {name}"] += n
-            frames = [fr for fr in parts if not fr.startswith(("process ", "thread "))]
-            if frames:
-                own[frames[-1]] += n
-            for fr in set(frames):
-                incl[fr] += n
-    lines = [f"# py-spy profile ({total} samples, all processes and threads, idle excluded)\n",
-             "## by process / thread\n", "| samples | % | where |", "|---|---|---|"]
-    def rows(counts: dict[str, int], fmt: str) -> list[str]:
-        best = sorted(counts.items(), key=lambda x: -x[1])[:top]
-        return [f"| {n} | {100 * n / max(total, 1):.1f} | {fmt.format(k)} |" for k, n in best]
+def load(dirpath: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The records of DIR/results.jsonl and the run's description DIR/run.json."""
+    with open(os.path.join(dirpath, "results.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    path = os.path.join(dirpath, "run.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"{path}: missing; it is written by tools/bench.py beside results.jsonl (rerun the bench)")
+    with open(path) as f:
+        return records, json.load(f)
 
-    lines += rows(where, "{}")
-    lines += ["\n## self\n", "| samples | % | frame |", "|---|---|---|"]
-    lines += rows(own, "`{}`")
-    lines += ["\n## inclusive (datacache and readers frames)\n", "| samples | % | frame |", "|---|---|---|"]
-    lines += rows({fr: n for fr, n in incl.items() if "datacache/" in fr or "readers/" in fr}, "`{}`")
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return base + ".md"
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", help="a bench output directory (results.jsonl, run.json), e.g. docs/bench")
+    p.add_argument("--readme", help="also replace the generated block of this README")
+    a = p.parse_args(argv)
+    records, run = load(a.dir)
+    print(write_report(a.dir, records, run=run))
+    if a.readme:
+        replace_block(a.readme, readme_tables(records, run))
+        print(f"{a.readme}: benchmark block regenerated from {os.path.join(a.dir, 'results.jsonl')}")
+    return 0
+
+
+__all__ = ["NOTES", "machine_line", "medians", "progress_line", "readme_tables", "summarize_profile", "summarize_run", "table",
+           "targets", "write_report"]
+
+if __name__ == "__main__":
+    sys.exit(main())

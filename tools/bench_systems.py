@@ -8,15 +8,23 @@ SPEC is written by ``tools/bench.py``. A run writes its epoch records (JSON) to 
 cannot be imported here. Peers are imported only inside their own runner, so datacache alone
 needs none of them.
 
-Systems (each with its defaults; ``tuned`` changes the one documented setting):
+Every loader gets ``loader_kw``: the scenario's workers and ``persistent_workers=True`` (each
+peer reshuffles per epoch and reads every sample exactly once with persistent workers: checked
+with ``first_ids`` and ``unique_samples`` per epoch), and the scenario's batch size.
+
+Systems (each with its defaults; ``tuned`` changes the one documented setting; ``match-X`` sets
+the system's documented shuffle knobs toward X's shuffle quality):
 
 - ``datacache``: its documented usage, batched mode: ``StreamingDataset(batch_size=B)`` +
-  ``DataLoader(batch_size=None, persistent_workers=True)`` (batches are collated in the worker into a
-  shared-memory ring and cross to the main process without a copy; see ``datacache._batches``).
+  ``DataLoader(batch_size=None)`` (batches are collated in the worker into a shared-memory ring
+  and cross to the main process without a copy; see ``datacache._batches``). match-streaming:
+  ``window`` = every shard of the dataset; match-litdata: ``window=1`` (one shard run at a time).
 - ``streaming`` (mosaicml-streaming): MDS shards (``MDSWriter``, no compression), S3 through boto3
   (``S3_ENDPOINT_URL``); tuned: ``predownload`` = 4 shards of samples per worker (default 8 x batch),
   or, with a cache limit C, ``shuffle_block_size`` = the samples of C/2 (the default py1e blocks of
-  262144 samples spread every epoch over the whole dataset, so a cache of D/2 thrashes).
+  262144 samples spread every epoch over the whole dataset, so a cache of D/2 thrashes);
+  match-datacache: ``shuffle_algo="py1e"``, ``num_canonical_nodes=1``, ``shuffle_block_size`` =
+  datacache's ``DEFAULT_WINDOW`` shards of samples (the same mixing span as datacache's window).
   Fork safety: the main process downloads ``index.json`` with a boto3 client that forked DataLoader
   workers inherit with its pooled keep-alive connection; two processes then share one socket and a
   GET can wait for its 60 s read timeout (seen here as 61 s stalls). Streaming drops that client
@@ -29,7 +37,12 @@ Systems (each with its defaults; ``tuned`` changes the one documented setting):
 - ``litdata``: ``optimize`` chunks, ``litdata.StreamingDataset`` + ``StreamingDataLoader``, S3 via
   boto3/obstore; tuned: ``max_pre_download=8`` (default 2). obstore refuses a plain-http endpoint
   unless its client options allow http: this runner adds ``allow_http`` to LitData's obstore client
-  options (the emulated link is http on loopback); nothing else changes.
+  options (the emulated link is http on loopback); nothing else changes. No match variant: LitData
+  mixes within a chunk only (``item_shuffle_window``), it has no knob that mixes across chunks.
+  With ``max_cache_size`` = C < D (limited) 0.2.76 stalls: its node-wide disk-slot counter
+  (``.litdata_cache_slots``, ``reader._acquire_cache_slot``) counts more chunks than are on disk
+  (16 slots used, 14 chunk files, seen at 500 MB), so no further chunk may download and a worker
+  raises ``ChunkWaitTimeoutError`` after 120 s: shown as failed.
 - ``fsspec``: the no-cache baseline: the datacache shards read whole with s3fs (one ``cat_file``
   per shard, no prefetch, no cache: the shard bytes are decoded and dropped), shard order shuffled
   per epoch, samples shuffled within a shard.
@@ -39,7 +52,6 @@ from __future__ import annotations
 import _thread
 import json
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -55,31 +67,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-
-# ---------------------------------------------------------------- samples (the same for every system)
-def sample_side(sample_bytes: int) -> int:
-    return int((sample_bytes // 4) ** 0.5)
-
-
-def make_sample(i: int, side: int) -> dict[str, Any]:
-    """Sample ``i``: incompressible image-like pixels (like JPEG bytes), a label and the id."""
-    img = np.frombuffer(np.random.default_rng(i).bytes(side * side * 4), dtype=np.uint8).reshape(side, side, 4)
-    return {"image": img, "label": int(img[0, 0, 0]) % 10, "id": i}
-
-
-def _s3fs(opts: dict[str, Any]) -> Any:
-    import s3fs
-
-    return s3fs.S3FileSystem(key=opts["key"], secret=opts["secret"], client_kwargs=opts["client_kwargs"])
-
-
-def _upload_dir(local: str, url: str, opts: dict[str, Any]) -> None:
-    fs = _s3fs(opts)
-    prefix = url[len("s3://"):].rstrip("/")
-    for dirpath, _, files in os.walk(local):
-        for f in files:
-            path = os.path.join(dirpath, f)
-            fs.put_file(path, f"{prefix}/{os.path.relpath(path, local)}")
+from tools.bench_quality import BatchQuality  # noqa: E402
+from tools.bench_write import _s3fs, write  # noqa: E402
 
 
 PACKAGES = {"streaming": "mosaicml-streaming==0.13.0", "litdata": "litdata==0.2.76"}
@@ -133,55 +122,19 @@ def import_system(system: str) -> None:
         raise ImportError(f"unknown system {system!r}")
 
 
-# ---------------------------------------------------------------- writers
-def write(spec: dict[str, Any]) -> dict[str, Any]:
-    """Write ``spec["n"]`` samples at ``spec["url"]`` in ``spec["system"]``'s format; returns its bytes."""
-    system, n, side, shard = spec["system"], spec["n"], sample_side(spec["sample_bytes"]), spec["shard_bytes"]
-    opts = spec["storage_options"]  # the server itself: setup traffic never crosses the link
-    samples = (make_sample(i, side) for i in range(n))
-    import_system(system)
-    if system == "datacache":
-        import datacache
-
-        # overwrite: bench.py writes only where its bench-meta.json is missing, which an earlier
-        # run that stopped after the dataset but before the meta leaves behind
-        m = datacache.write_dataset(samples, spec["url"], storage_options=opts, shard_bytes=shard, progress=False,
-                                    overwrite=True)
-        return {"bytes": m.total_bytes, "files": len(m.shards)}
-    tmp = tempfile.mkdtemp(prefix=f"bench-write-{system}-", dir=spec.get("tmp"))
-    try:
-        if system == "streaming":
-            from streaming import MDSWriter
-
-            cols = {"image": f"ndarray:uint8:{side},{side},4", "label": "int", "id": "int"}
-            with MDSWriter(out=tmp, columns=cols, size_limit=shard) as w:
-                for s in samples:
-                    w.write(s)
-        elif system == "litdata":
-            from litdata import optimize
-
-            os.environ.setdefault("DATA_OPTIMIZER_CACHE_FOLDER", tmp + "-optimizer-cache")
-            optimize(fn=_lit_sample, inputs=[(i, side) for i in range(n)], output_dir=tmp, chunk_bytes=shard,
-                     num_workers=1, reorder_files=False, verbose=False, start_method="fork")
-        else:
-            raise ValueError(f"{system} has no writer (it reads the datacache shards)")
-        files = [os.path.join(d, f) for d, _, fs in os.walk(tmp) for f in fs]
-        _upload_dir(tmp, spec["url"], opts)
-        return {"bytes": sum(os.path.getsize(f) for f in files if not f.endswith(".json")), "files": len(files)}
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(tmp + "-optimizer-cache", ignore_errors=True)
-
-
-def _lit_sample(arg: tuple[int, int]) -> dict[str, Any]:
-    return make_sample(*arg)
-
-
 # ---------------------------------------------------------------- loaders
+def loader_kw(spec: dict[str, Any]) -> dict[str, Any]:
+    """The DataLoader settings every system gets (workers, persistent workers, prefetch)."""
+    sc = spec["scenario"]
+    persistent = bool(sc.get("persistent_workers", True)) and sc["workers"] > 0
+    return {"num_workers": sc["workers"], "persistent_workers": persistent}
+
+
 def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[], dict[str, Any]], Callable[[], None]]:
-    """(loader, set_epoch, stats, close) for the spec's system and scenario."""
-    sc, system = spec["scenario"], spec["system"]
-    bs, workers, cache_dir, C = sc["batch_size"], sc["workers"], spec["cache_dir"], sc.get("cache_bytes")
+    """(loader, set_epoch, stats, close) for the spec's system, variant and scenario; every loader
+    gets ``loader_kw(spec)`` and the scenario's batch size."""
+    sc, system, variant = spec["scenario"], spec["system"], spec["variant"]
+    bs, cache_dir, C, lkw = sc["batch_size"], spec["cache_dir"], sc.get("cache_bytes"), loader_kw(spec)
     import torch.utils.data as tud
 
     if system == "datacache":
@@ -189,9 +142,11 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
 
         cfg = datacache.CacheConfig(ram_dir=os.path.join(cache_dir, "ram"), ssd_dir=spec["ssd_dir"],
                                     **({"ram_bytes": C, "ssd_bytes": 0} if C else {}))
+        window = {"match-litdata": {"window": 1},  # one shard run at a time, as LitData reads
+                  "match-streaming": {"window": spec.get("shards", 1)}}.get(variant, {})  # every shard
         ds = datacache.StreamingDataset(spec["url"], storage_options=spec["storage_options"], cache=cfg,
-                                        shuffle=True, seed=0, batch_size=bs)
-        loader = tud.DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
+                                        shuffle=True, seed=0, batch_size=bs, **window)
+        loader = tud.DataLoader(ds, batch_size=None, **lkw)
         return loader, ds.set_epoch, ds.stats, ds.close
     if system == "streaming":
         import streaming
@@ -199,10 +154,15 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
 
         clean_stale_shared_memory()
         kw: dict[str, Any] = {}
-        if spec["variant"] == "tuned" and C:  # shuffle blocks that fit in half the cache
+        if variant == "tuned" and C:  # shuffle blocks that fit in half the cache
             kw["shuffle_block_size"] = max(bs, C // 2 // spec["sample_bytes"])
-        elif spec["variant"] == "tuned":  # 4 shards ahead per worker
+        elif variant == "tuned":  # 4 shards ahead per worker
             kw["predownload"] = 4 * spec["samples_per_shard"]
+        elif variant == "match-datacache":  # py1e blocks of datacache's window of shards
+            from datacache.plan import DEFAULT_WINDOW
+
+            kw.update(shuffle_algo="py1e", num_canonical_nodes=1,
+                      shuffle_block_size=DEFAULT_WINDOW * spec["samples_per_shard"])
         if C:
             kw["cache_limit"] = C
         ds = streaming.StreamingDataset(remote=spec["url"], local=os.path.join(cache_dir, "local"), shuffle=True,
@@ -211,21 +171,21 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
             downloader = getattr(stream, "_downloader", None)
             if getattr(downloader, "_s3_client", None) is not None:
                 downloader._s3_client = None
-        loader = tud.DataLoader(ds, batch_size=bs, num_workers=workers)
+        loader = tud.DataLoader(ds, batch_size=bs, **lkw)
         return loader, lambda e: None, lambda: {}, lambda: None
     if system == "litdata":
         import litdata
 
-        kw = {"max_pre_download": 8} if spec["variant"] == "tuned" else {}
+        kw = {"max_pre_download": 8} if variant == "tuned" else {}
         if C:
             kw["max_cache_size"] = C
         ds = litdata.StreamingDataset(spec["url"], cache_dir=os.path.join(cache_dir, "lit"), shuffle=True, seed=0,
                                       storage_options=spec["litdata_options"], **kw)
-        loader = litdata.StreamingDataLoader(ds, batch_size=bs, num_workers=workers)
+        loader = litdata.StreamingDataLoader(ds, batch_size=bs, **lkw)
         return loader, lambda e: None, lambda: {}, lambda: None
     if system == "fsspec":
         ds = FsspecShards(spec["url"], spec["storage_options"])
-        loader = tud.DataLoader(ds, batch_size=bs, num_workers=workers)
+        loader = tud.DataLoader(ds, batch_size=bs, **lkw)
         return loader, ds.set_epoch, lambda: {}, lambda: None
     raise ValueError(system)
 
@@ -241,7 +201,7 @@ class FsspecShards(_iterable_base()):  # type: ignore[misc]
 
     def __init__(self, url: str, opts: dict[str, Any]) -> None:
         super().__init__()
-        self.url, self.opts, self.epoch = url.rstrip("/"), opts, 0
+        self.url, self.opts, self.epoch, self.iters = url.rstrip("/"), opts, 0, 0
         self.shards = [s["name"] for s in json.loads(_s3fs(opts).cat_file(f"{self.url}/manifest.json"))["shards"]]
 
     def set_epoch(self, epoch: int) -> None:
@@ -252,10 +212,12 @@ class FsspecShards(_iterable_base()):  # type: ignore[misc]
 
         import readers
 
+        # a persistent worker's copy never sees set_epoch: it counts its own epochs instead
+        epoch, self.iters = self.epoch + self.iters, self.iters + 1
         info = tud.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        rng = np.random.default_rng([0, self.epoch])
+        rng = np.random.default_rng([0, epoch])
         order = rng.permutation(len(self.shards))[rank * nw + wid::world * nw]
         fs, fmt = _s3fs(self.opts), readers.get_format("zstd")
         for s in order:
@@ -285,15 +247,17 @@ def _batch_ids(batch: Any) -> list[int]:
 
 
 def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[], None],
-              max_bytes: float = float("inf")) -> dict[str, Any]:
-    """One epoch: wall, data wait (time in ``next``, worker start-up included), remote bytes at the
-    proxy. Stops early ("aborted") once the epoch has pulled more than ``max_bytes`` (thrashing)."""
+              max_bytes: float = float("inf"), n: int = 0) -> dict[str, Any]:
+    """One epoch: wall, data wait (time in ``next``, worker start-up included: ``startup`` is the
+    time in ``iter(loader)``), remote bytes at the proxy, shuffle quality of the batches on the
+    class-sorted ``n`` samples (``tools/bench_quality.py``). Stops early ("aborted") once the epoch
+    has pulled more than ``max_bytes`` (thrashing)."""
     barrier()
     m0 = meter(meter_url)
     t0 = time.perf_counter()
     wait, first, aborted = 0.0, None, None
     batches = samples = 0
-    it = None
+    it, startup, quality, head = None, 0.0, BatchQuality(n) if n else None, None
     stop, tripped, timeline, arrivals, seen = threading.Event(), [], [], [], set()
 
     def watchdog() -> None:  # samples the link; interrupts the loop (even in next()) once the epoch
@@ -319,6 +283,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
             try:
                 if it is None:
                     it = iter(loader)  # worker start-up counts as waiting for data
+                    startup = time.perf_counter() - ta
                 batch = next(it)
             except StopIteration:
                 break
@@ -326,8 +291,11 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
             first = time.perf_counter() - t0 if first is None else first
             arrivals.append(round(time.perf_counter() - t0, 4))
             ids = _batch_ids(batch)
+            head = ids[:8] if head is None else head  # the epoch's order differs from the last one's?
             samples += len(ids)
             seen.update(ids)
+            if quality is not None:
+                quality.add(ids)
             batches += 1
             if compute:
                 time.sleep(compute)  # the simulated training step
@@ -344,6 +312,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     return {"wall": wall, "own_wall": own, "wait": wait, "first_batch": first, "compute": batches * compute,
             "batches": batches, "samples": samples, "unique_samples": len(seen), "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
             "requests": m1["requests"] - m0["requests"], "link_timeline": timeline, "batch_times": arrivals,
+            "startup": startup, "first_ids": head, **(quality.summary() if quality is not None else {}),
             **({"aborted": aborted} if aborted else {})}
 
 
@@ -372,11 +341,11 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     try:
         for e, phase in enumerate(sc["phases"]):
             set_epoch(e)
-            measured = phase == "measured"
+            measured = phase != "fill"  # measured, or the shuffle scenario's cold and warm
             if prof is not None and measured:
                 prof.start()
             rec = run_epoch(loader, sc["compute"] if measured else 0.0, spec["meter_url"], barrier,
-                            spec.get("max_epoch_bytes") or float("inf"))
+                            spec.get("max_epoch_bytes") or float("inf"), spec.get("n", 0))
             if prof is not None and measured:
                 prof.stop()
             rec.update(epoch=e, phase=phase, stats=_jsonable(stats()))
