@@ -15,9 +15,9 @@ with ``first_ids`` and ``unique_samples`` per epoch), and the scenario's batch s
 Systems (each with its defaults; ``tuned`` changes the one documented setting; ``match-X`` sets
 the system's documented shuffle knobs toward X's shuffle quality):
 
-- ``datacache``: its documented usage, batched mode: ``StreamingDataset(batch_size=B)`` +
-  ``DataLoader(batch_size=None)`` (batches are collated in the worker into a shared-memory ring
-  and cross to the main process without a copy; see ``datacache._batches``). match-streaming:
+- ``datacache``: its documented usage, ``datacache.DataLoader(ds, batch_size=B)``, which puts the
+  dataset in batched mode (batches are collated in the worker into a shared-memory ring and cross
+  to the main process without a copy; see ``datacache._batches``). match-streaming:
   ``window`` = every shard of the dataset; match-litdata: ``window=1`` (one shard run at a time).
 - ``streaming`` (mosaicml-streaming): MDS shards (``MDSWriter``, no compression), S3 through boto3
   (``S3_ENDPOINT_URL``); tuned: ``predownload`` = 4 shards of samples per worker (default 8 x batch),
@@ -145,8 +145,8 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
         window = {"match-litdata": {"window": 1},  # one shard run at a time, as LitData reads
                   "match-streaming": {"window": spec.get("shards", 1)}}.get(variant, {})  # every shard
         ds = datacache.StreamingDataset(spec["url"], storage_options=spec["storage_options"], cache=cfg,
-                                        shuffle=True, seed=0, batch_size=bs, **window)
-        loader = tud.DataLoader(ds, batch_size=None, **lkw)
+                                        shuffle=True, seed=0, **window)
+        loader = datacache.DataLoader(ds, batch_size=bs, **lkw)  # the README's line: batched mode
         return loader, ds.set_epoch, ds.stats, ds.close
     if system == "streaming":
         import streaming

@@ -17,7 +17,7 @@ END = "<!-- bench:end -->"
 EQUAL_TERMS = (
     "Every system runs with the same loader settings: batch {batch_size} (small: {small_batch_size}), {workers} "
     "DataLoader workers, `persistent_workers=True`, each through its documented loader (datacache: "
-    "`StreamingDataset(batch_size=B)` + `DataLoader(batch_size=None)`, its batched mode; Streaming: "
+    "`datacache.DataLoader(ds, batch_size=B)`, which puts the dataset in its batched mode; Streaming: "
     "`StreamingDataset(batch_size=B)` + `DataLoader(batch_size=B)`; LitData: `StreamingDataLoader(batch_size=B)`; "
     "fsspec: `DataLoader(batch_size=B)`). The workers start at the run's first `iter(loader)`, so their start-up "
     "counts in the first measured epoch's wait and first batch for every system alike (cold, limited, ranks, "
