@@ -102,7 +102,9 @@ def readme_block(run: dict[str, Any], scenarios: list[str], table: str, shuffle:
              f"{run.get('machine', '?')}): {describe(run)}. Raw results: [docs/bench/results.jsonl]"
              "(docs/bench/results.jsonl) (every repetition); full report with the per-scenario exceptions: "
              "[docs/bench/results.md](docs/bench/results.md).", "",
-             EQUAL_TERMS.format(**run["settings"]), "", VARIANTS, "", QUALITY, "", table, ""]
+             EQUAL_TERMS.format(**run["settings"]), "", "Exceptions, per scenario:", ""]
+    parts += [f"- {sc}: {NOTES.get(sc, 'none.')}" for sc in scenarios]
+    parts += ["", VARIANTS, "", QUALITY, ""] + ([table, ""] if table else [])
     if shuffle:
         parts += ["**Shuffle quality, cold and warm** (the `shuffle` scenario; class-sorted data):", "", shuffle, ""]
     parts += ["datacache's targets, per scenario (from the table):", ""]
