@@ -25,24 +25,28 @@ cut (``drop_last=True``), nodes one after the other. Pure; results are memoized 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ._nodeshare import shared_array
 from ._pieces import Pieces
 
-__all__ = ["assign_nodes", "node_pieces", "memo", "digest", "readonly"]
+__all__ = ["assign_nodes", "node_pieces", "node_part", "memo", "digest", "readonly"]
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _memo_lock = threading.Lock()
 _memo: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 _MEMO_SIZE = 16
+_assignments: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 _digests: dict[int, tuple[weakref.ref, str]] = {}
 
 
@@ -54,9 +58,12 @@ def _after_fork() -> None:  # a DataLoader worker forked while another thread he
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def readonly(values: Any) -> np.ndarray:
-    """``values`` as a read-only int64 array (whose digest is then computed once)."""
-    out = np.array(values, dtype=np.int64)
+def readonly(values: Any, dtype: Any = np.int64) -> np.ndarray:
+    """``values`` as a read-only array (int64 by default; whose digest is then computed once);
+    a read-only array of that type as it is (no copy)."""
+    if isinstance(values, np.ndarray) and values.dtype == dtype and not values.flags.writeable:
+        return values
+    out = np.array(values, dtype=dtype)
     out.flags.writeable = False
     return out
 
@@ -69,7 +76,7 @@ def digest(a: np.ndarray | None) -> str | None:
     known = _digests.get(id(a))
     if known is not None and known[0]() is a:
         return known[1]
-    out = hashlib.blake2b(np.ascontiguousarray(a, dtype=np.int64).tobytes(), digest_size=16).hexdigest() + f":{len(a)}"
+    out = hashlib.blake2b(np.ascontiguousarray(a, dtype=np.int64), digest_size=16).hexdigest() + f":{len(a)}"
     if isinstance(a, np.ndarray) and not a.flags.writeable and a.base is None:
         with _memo_lock:
             for k in [k for k, (ref, _) in _digests.items() if ref() is None]:
@@ -78,18 +85,19 @@ def digest(a: np.ndarray | None) -> str | None:
     return out
 
 
-def memo(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
-    """``make()``, memoized under ``key`` (a small per-process LRU; the lock is not held while
-    computing, so two threads may compute the same value once each)."""
+def memo(key: tuple[Any, ...], make: Callable[[], Any], *, store: OrderedDict | None = None) -> Any:
+    """``make()``, memoized under ``key`` (a small per-process LRU, or ``store``; the lock is not
+    held while computing, so two threads may compute the same value once each)."""
+    store = _memo if store is None else store
     with _memo_lock:
-        if key in _memo:
-            _memo.move_to_end(key)
-            return _memo[key]
+        if key in store:
+            store.move_to_end(key)
+            return store[key]
     value = make()
     with _memo_lock:
-        _memo[key] = value
-        while len(_memo) > _MEMO_SIZE:
-            _memo.popitem(last=False)
+        store[key] = value
+        while len(store) > _MEMO_SIZE:
+            store.popitem(last=False)
     return value
 
 
@@ -105,16 +113,32 @@ def _hash(seed: int, ids: np.ndarray, node: int) -> np.ndarray:
     return x & _M64
 
 
-def assign_nodes(sizes: np.ndarray, num_nodes: int, seed: int) -> np.ndarray:
-    """Owner node of every shard (see the module docstring); ``sizes``: bytes (or samples) per shard."""
+def assign_nodes(sizes: np.ndarray, num_nodes: int, seed: int, share_dir: str | None = None) -> np.ndarray:
+    """Owner node of every shard (see the module docstring), read-only, of the smallest integer
+    type that holds the node ids; ``sizes``: bytes (or samples) per shard. Memoized per process
+    (kept apart from the epochs' entries); ``share_dir`` (the node cache's control directory): computed
+    once per node and mapped by the node's other processes (``datacache._nodeshare``)."""
     sizes = np.asarray(sizes, dtype=np.int64)
-    key = ("assign", digest(sizes), int(num_nodes), int(seed))
-    return memo(key, lambda: _assign(sizes, int(num_nodes), int(seed)))
+    num_nodes, seed = int(num_nodes), int(seed)
+    ident = digest(sizes)
+    dtype = _owner_dtype(num_nodes)
+
+    def valid(a: np.ndarray) -> bool:
+        return a.shape == sizes.shape and a.dtype == dtype and (not len(a) or 0 <= a.min() <= a.max() < num_nodes)
+
+    def make() -> np.ndarray:
+        name = f"assign-v1-{str(ident).replace(':', '-')}-{num_nodes}-{seed}"
+        return readonly(shared_array(share_dir, name, lambda: _assign(sizes, num_nodes, seed), valid), dtype)
+    return memo(("assign", ident, num_nodes, seed), make, store=_assignments)
+
+
+def _owner_dtype(num_nodes: int) -> np.dtype:
+    return np.dtype(np.int16 if num_nodes <= np.iinfo(np.int16).max else np.int32)
 
 
 def _assign(sizes: np.ndarray, num_nodes: int, seed: int) -> np.ndarray:
     n = len(sizes)
-    owner = np.zeros(n, dtype=np.int64)
+    owner = np.zeros(n, dtype=_owner_dtype(num_nodes))
     load = np.zeros(num_nodes, dtype=np.float64)
     load[0] = float(sizes.sum())
     total = load[0]
@@ -155,23 +179,27 @@ def _take(mine: np.ndarray, sizes: np.ndarray, got: float, want: float) -> int:
     return int(np.searchsorted(mid, want, side="right"))
 
 
-def node_pieces(counts: np.ndarray, offsets: np.ndarray, *, weights: np.ndarray, pool: np.ndarray | None,
-                num_nodes: int, dp_size: int, drop_last: bool, unit: int, shuffle: bool, seed: int,
-                epoch: int) -> tuple[Pieces, int]:
-    """(the epoch's order, of length ``per_rank * dp_size``, padded repeats): see the module
-    docstring. ``pool``: the samples to plan (default every sample; a resume's remainder);
-    ``drop_last`` leaves each rank a multiple of ``unit`` samples. O(shards) for a whole epoch."""
-    owner = assign_nodes(weights, num_nodes, seed)
-    if pool is None:  # per node, its largest shards last: what a node gives comes from one shard
-        shards = np.lexsort((np.arange(len(counts)), counts, owner))
-        base = Pieces.whole(shards, counts)
-    else:
-        base = Pieces.from_samples(np.sort(np.asarray(pool, dtype=np.int64)), offsets)
-        base = base.take(np.argsort(owner[base.shard], kind="stable"))
-    node = owner[base.shard]
-    bounds = np.searchsorted(node, np.arange(num_nodes + 1))
-    of_node = [Pieces(base.shard[a:b], base.lo[a:b], base.hi[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-    have = np.array([len(p) for p in of_node], dtype=np.int64)
+def _node_shards(counts: np.ndarray, owner: np.ndarray, node: int) -> Pieces:
+    """Node ``node``'s shards as whole pieces, its largest last (ties by id): what it gives to
+    other nodes comes from one shard. O(shards) time, O(share) memory."""
+    ids = np.flatnonzero(owner == node)
+    return Pieces.whole(ids[np.argsort(counts[ids], kind="stable")], counts)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How the epoch's samples are spread over the nodes (fixed for the run, whatever the epoch):
+    each node's ``quota`` (its ranks' share), the ``moves`` (giver, receiver, samples) that
+    balance them, and the padded count."""
+
+    have: np.ndarray
+    quota: int
+    moves: list[tuple[int, int, int]]
+    out_of: np.ndarray
+    padded: int
+
+
+def _layout(have: np.ndarray, num_nodes: int, dp_size: int, drop_last: bool, unit: int) -> _Layout:
     total = int(have.sum())
     per = total // dp_size // unit * unit if drop_last else -(-total // dp_size)
     quota = per * (dp_size // num_nodes)
@@ -180,24 +208,65 @@ def node_pieces(counts: np.ndarray, offsets: np.ndarray, *, weights: np.ndarray,
     # What moves (fixed for the run): each transfer is a giver's last samples of its own shards.
     moves = _transfers(_fill(surplus, moving), _fill(deficit, moving), have)
     out_of = np.zeros(num_nodes, dtype=np.int64)
-    for src, _, amount in moves:
+    into = np.zeros(num_nodes, dtype=np.int64)
+    for src, dst, amount in moves:
         out_of[src] += amount
-    sent, at = [], have - out_of
-    for src, _, amount in moves:
-        sent.append(of_node[src].cut(at[src], at[src] + amount))
+        into[dst] += amount
+    padded = int(np.maximum(quota - (have - out_of + into), 0).sum())
+    return _Layout(have, quota, moves, out_of, padded)
+
+
+def _node_part(k: int, of_node: Callable[[int], Pieces], lay: _Layout, base: Callable[[], Pieces], *,
+               shuffle: bool, seed: int, epoch: int) -> Pieces:
+    """Node ``k``'s part of the epoch order (``quota`` samples): its own samples less what it
+    gives, plus what it receives, its shards permuted, then padded from its start or cut."""
+    at = lay.have - lay.out_of
+    got = []
+    for src, dst, amount in lay.moves:
+        if dst == k:
+            got.append(of_node(src).cut(at[src], at[src] + amount))
         at[src] += amount
-    parts, padded = [], 0
-    for k in range(num_nodes):
-        got = [piece for (_, dst, _), piece in zip(moves, sent) if dst == k]
-        mine = Pieces.concat([of_node[k].cut(0, have[k] - out_of[k])] + got)
-        mine = _shuffle_shards(mine, shuffle, seed, epoch, k)
-        if len(mine) >= quota:
-            parts.append(mine.cut(0, quota))  # drop_last: this epoch's last samples of the node
-        else:
-            src = mine if len(mine) else base
-            parts.append(Pieces.concat([mine, src.resize(quota - len(mine))]))
-            padded += quota - len(mine)
-    return Pieces.concat(parts), padded
+    mine = Pieces.concat([of_node(k).cut(0, lay.have[k] - lay.out_of[k])] + got)
+    mine = _shuffle_shards(mine, shuffle, seed, epoch, k)
+    if len(mine) >= lay.quota:
+        return mine.cut(0, lay.quota)  # drop_last: this epoch's last samples of the node
+    src = mine if len(mine) else base()
+    return Pieces.concat([mine, src.resize(lay.quota - len(mine))])
+
+
+def node_part(counts: np.ndarray, *, weights: np.ndarray, node: int, num_nodes: int, dp_size: int,
+              drop_last: bool, unit: int, shuffle: bool, seed: int, epoch: int) -> tuple[Pieces, int]:
+    """(node ``node``'s part of the epoch order (``node_pieces`` cut to that node, ``quota``
+    samples), the padded count of the whole epoch). O(shards) time; memory O(shards / nodes)
+    besides the assignment."""
+    owner = assign_nodes(weights, num_nodes, seed)
+    lay = memo(("layout", digest(counts), digest(weights), num_nodes, seed, dp_size, drop_last, unit),
+               lambda: _layout(np.bincount(owner, weights=counts, minlength=num_nodes).astype(np.int64),
+                               num_nodes, dp_size, drop_last, unit))
+    shards = functools.lru_cache(maxsize=None)(lambda j: _node_shards(counts, owner, j))
+    every = lambda: Pieces.concat([shards(j) for j in range(num_nodes)])  # noqa: E731
+    part = _node_part(node, shards, lay, every, shuffle=shuffle, seed=seed, epoch=epoch)
+    return part, lay.padded
+
+
+def node_pieces(counts: np.ndarray, offsets: np.ndarray, *, weights: np.ndarray, pool: np.ndarray | None,
+                num_nodes: int, dp_size: int, drop_last: bool, unit: int, shuffle: bool, seed: int,
+                epoch: int) -> tuple[Pieces, int]:
+    """(the epoch's order, of length ``per_rank * dp_size``, padded repeats): see the module
+    docstring. ``pool``: the samples to plan (default every sample; a resume's remainder);
+    ``drop_last`` leaves each rank a multiple of ``unit`` samples. O(shards) for a whole epoch."""
+    owner = assign_nodes(weights, num_nodes, seed)
+    if pool is None:  # per node, its largest shards last: what a node gives comes from one shard
+        base = Pieces.concat([_node_shards(counts, owner, j) for j in range(num_nodes)])
+    else:
+        base = Pieces.from_samples(np.sort(np.asarray(pool, dtype=np.int64)), offsets)
+        base = base.take(np.argsort(owner[base.shard], kind="stable"))
+    bounds = np.searchsorted(owner[base.shard], np.arange(num_nodes + 1))
+    of_node = [Pieces(base.shard[a:b], base.lo[a:b], base.hi[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    lay = _layout(np.array([len(p) for p in of_node], dtype=np.int64), num_nodes, dp_size, drop_last, unit)
+    parts = [_node_part(k, of_node.__getitem__, lay, lambda: base, shuffle=shuffle, seed=seed, epoch=epoch)
+             for k in range(num_nodes)]
+    return Pieces.concat(parts), lay.padded
 
 
 def _transfers(gives: np.ndarray, takes: np.ndarray, have: np.ndarray) -> list[tuple[int, int, int]]:

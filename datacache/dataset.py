@@ -150,8 +150,8 @@ class StreamingDataset(tud.IterableDataset):
         self.placement = placement
         self.num_nodes = self._num_nodes()
         self.shard_bytes = readonly([s.bytes for s in self.manifest.shards])
-        if self.num_nodes > 1:  # once per run, here: forked DataLoader workers inherit it
-            assign_nodes(self.shard_bytes, self.num_nodes, self.seed)
+        if self.num_nodes > 1:  # once per run and node, here: forked DataLoader workers inherit it
+            assign_nodes(self.shard_bytes, self.num_nodes, self.seed, share_dir=self.cache.control_dir)
         self._epoch = _shared_int()
         self.epoch = 0
         self._epoch_explicit = False  # set_epoch was called (a DataLoader worker inherits this)
@@ -229,8 +229,9 @@ class StreamingDataset(tud.IterableDataset):
         schedule = None
         if self.cache.config.policy != "lru":
             ranks = self._node_dp_ranks() if order is None else [self.dp_rank]
-            schedule = tell_plan(self.cache, node_schedule(self.manifest, self.counts, spec, ranks,
-                                                           first_plan_order=order))
+            times = node_schedule(self.manifest, self.counts, spec, ranks, first_plan_order=order,
+                                  share_dir=self.cache.control_dir)
+            schedule = tell_plan(self.cache, times)
         if self._consumer is not None:
             self._consumer.close()
         prefetch = cap_lookahead(self.prefetch, self.cache, self.manifest, len(self._node_dp_ranks()) * num_workers)

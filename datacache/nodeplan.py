@@ -10,10 +10,13 @@ functions of the plan; thread-safe.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ._nodeorder import digest, readonly
+from ._nodeshare import shared_array
 from .cache import NodeCache
 from .config import PrefetchConfig
 from .eviction import Schedule
@@ -30,20 +33,41 @@ def node_dp_ranks(ranks: Iterable[int], replication: int = 1) -> list[int]:
 
 
 def node_schedule(manifest: Manifest, counts: np.ndarray, spec: PlanSpec, dp_ranks: Sequence[int],
-                  first_plan_order: np.ndarray | None = None) -> Schedule:
+                  first_plan_order: np.ndarray | None = None, share_dir: str | None = None) -> Schedule:
     """Next-use times of every shard for every consumer of the node (data-parallel ranks
     ``dp_ranks`` x ``spec.num_workers`` workers), for ``spec.epoch`` and the next epoch.
-    ``first_plan_order``: the order that replaces this epoch's global order (a resume)."""
-    times: dict[str, list[float]] = {}
+    ``first_plan_order``: the order that replaces this epoch's global order (a resume).
+    ``share_dir`` (the node cache's control directory): computed once per node, by the first of
+    its consumers, and read by the others (``datacache._nodeshare``)."""
+    ranks = [int(r) for r in dp_ranks]
+    ident = (digest(readonly(counts)), digest(spec.shard_bytes) if spec.node_placed else None,
+             digest(first_plan_order), spec.seed, spec.epoch, spec.shuffle, spec.window, spec.drop_last,
+             spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes, spec.placement, ranks)
+    name = "schedule-v1-" + hashlib.blake2b(repr(ident).encode(), digest_size=16).hexdigest()
+    shards = len(counts)
+    table = shared_array(share_dir, name, lambda: _schedule_table(counts, spec, ranks, first_plan_order),
+                         lambda a: a.dtype == _TABLE and a.ndim == 1
+                         and bool(np.all((a["shard"] >= 0) & (a["shard"] < shards))))
+    times: dict[int, list[float]] = {}
+    for shard, t in zip(table["shard"].tolist(), table["time"].tolist()):
+        times.setdefault(shard, []).append(t)
+    return Schedule({manifest.cache_key(s): ts for s, ts in times.items()})
+
+
+_TABLE = np.dtype([("shard", "<i8"), ("time", "<f8")])
+
+
+def _schedule_table(counts: np.ndarray, spec: PlanSpec, dp_ranks: list[int],
+                    first_plan_order: np.ndarray | None) -> np.ndarray:
+    """(shard, time) of every run of every consumer of the node, this epoch and the next."""
+    rows: list[tuple[int, float]] = []
     for epoch in (spec.epoch, spec.epoch + 1):
         for r in dp_ranks:
             for w in range(spec.num_workers):
                 sub = dataclasses.replace(spec, epoch=epoch, dp_rank=r, worker_id=w)
                 order = first_plan_order if epoch == spec.epoch else None
-                plan = build_plan(counts, sub, order=order, shards_only=True)
-                for shard, t in plan.shard_times(epoch):
-                    times.setdefault(manifest.cache_key(shard), []).append(t)
-    return Schedule(times)
+                rows += build_plan(counts, sub, order=order, shards_only=True).shard_times(epoch)
+    return np.array(rows, dtype=_TABLE)
 
 
 def warm_order(counts: np.ndarray, spec: PlanSpec, dp_ranks: Sequence[int]) -> list[int]:

@@ -48,7 +48,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ._nodeorder import digest, memo, node_pieces
+from ._nodeorder import digest, memo, node_part, node_pieces
 from ._pieces import Pieces
 
 __all__ = ["PlanSpec", "ConsumerPlan", "global_order", "split_even", "build_plan", "remainder_order",
@@ -124,16 +124,24 @@ def _global_pieces(counts: np.ndarray, spec: PlanSpec) -> Pieces:
     return Pieces.whole(shards, counts)
 
 
+def _epoch_key(counts: np.ndarray, weights: np.ndarray, spec: PlanSpec, pool: np.ndarray | None) -> tuple:
+    unit = spec.batch_size if spec.drop_last else 1
+    return (digest(counts), digest(weights) if spec.node_placed else None, digest(pool), spec.seed, spec.epoch,
+            spec.shuffle, spec.drop_last, unit, spec.dp_size, spec.num_nodes if spec.node_placed else 1)
+
+
+def _weights(counts: np.ndarray, spec: PlanSpec) -> np.ndarray:
+    return counts if spec.shard_bytes is None else np.asarray(spec.shard_bytes, dtype=np.int64)
+
+
 def epoch_pieces(counts: np.ndarray, spec: PlanSpec, pool: np.ndarray | None = None) -> tuple[Pieces, int]:
     """The epoch's whole read order before the rank split, of length ``per_rank * dp_size``
     (padded or cut), and the padded count; ``pool``: the samples to plan instead of all of them
     (a resume's remainder, in its order for a global plan). Memoized per process; O(shards) for a
     whole epoch. Node-sticky with ``spec.node_placed`` (``datacache._nodeorder``)."""
     counts = np.asarray(counts, dtype=np.int64)
-    weights = counts if spec.shard_bytes is None else np.asarray(spec.shard_bytes, dtype=np.int64)
+    weights = _weights(counts, spec)
     unit = spec.batch_size if spec.drop_last else 1
-    key = ("epoch", digest(counts), digest(weights) if spec.node_placed else None, digest(pool), spec.seed,
-           spec.epoch, spec.shuffle, spec.drop_last, unit, spec.dp_size, spec.num_nodes if spec.node_placed else 1)
     offsets = _offsets(counts)
 
     def make() -> tuple[Pieces, int]:
@@ -147,7 +155,23 @@ def epoch_pieces(counts: np.ndarray, spec: PlanSpec, pool: np.ndarray | None = N
             return base.cut(0, n // parts // unit * unit * parts), 0
         padded = (-(-n // parts) * parts - n) if n else 0
         return Pieces.concat([base, base.resize(padded)]), padded
-    return memo(key, make)
+    return memo(("epoch",) + _epoch_key(counts, weights, spec, pool), make)
+
+
+def _rank_segment(counts: np.ndarray, spec: PlanSpec, pool: np.ndarray | None) -> tuple[Pieces, int, int, int]:
+    """(the part of the epoch order that holds ``spec.dp_rank``'s, its first rank, its ranks, the
+    padded count): node-sticky without a ``pool``, only the rank's node's part (``node_part``:
+    memory O(shards / nodes), no full-length order); else the whole order."""
+    if not spec.node_placed or pool is not None:
+        full, padded = epoch_pieces(counts, spec, pool)
+        return full, 0, spec.dp_size, padded
+    weights = _weights(counts, spec)
+    ranks = spec.dp_size // spec.num_nodes
+    part, padded = memo(("part", spec.node) + _epoch_key(counts, weights, spec, None), lambda: node_part(
+        counts, weights=weights, node=spec.node, num_nodes=spec.num_nodes, dp_size=spec.dp_size,
+        drop_last=spec.drop_last, unit=spec.batch_size if spec.drop_last else 1, shuffle=spec.shuffle,
+        seed=spec.seed, epoch=spec.epoch))
+    return part, spec.node * ranks, ranks, padded
 
 
 def epoch_order(counts: np.ndarray, spec: PlanSpec, pool: np.ndarray | None = None) -> tuple[np.ndarray, int]:
@@ -241,9 +265,9 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
     """
     counts = np.asarray(counts, dtype=np.int64)
     offsets = _offsets(counts)
-    full, padded = epoch_pieces(counts, spec, pool=order)
-    per = len(full) // spec.dp_size
-    rank = full.cut(spec.dp_rank * per, (spec.dp_rank + 1) * per)
+    segment, first, ranks, padded = _rank_segment(counts, spec, order)
+    per = len(segment) // ranks
+    rank = segment.cut((spec.dp_rank - first) * per, (spec.dp_rank - first + 1) * per)
     bounds = _worker_bounds(len(rank), spec.num_workers, spec.batch_size)
     mine = rank.cut(bounds[spec.worker_id], bounds[spec.worker_id + 1])
     window = spec.window if spec.shuffle else 1

@@ -5,10 +5,25 @@ from collections import Counter
 from dataclasses import replace
 
 import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 from datacache.plan import PlanSpec, build_plan
 
-__all__ = ["all_plans", "check_exactly_once_and_equal_ranks"]
+__all__ = ["all_plans", "check_exactly_once_and_equal_ranks", "SETTINGS", "counts_st", "node_specs"]
+
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+counts_st = st.lists(st.integers(0, 40), min_size=1, max_size=24).filter(lambda c: sum(c) >= 1)
+
+
+@st.composite
+def node_specs(draw: st.DrawFn) -> PlanSpec:
+    nodes = draw(st.integers(2, 4))
+    return PlanSpec(seed=draw(st.integers(0, 2**31 - 1)), epoch=draw(st.integers(0, 1000)),
+                    shuffle=draw(st.booleans()), window=draw(st.integers(1, 5)), drop_last=draw(st.booleans()),
+                    dp_size=nodes * draw(st.integers(1, 3)), num_workers=draw(st.integers(1, 3)), num_nodes=nodes,
+                    batch_size=draw(st.sampled_from([1, 1, 2, 3])))
 
 
 def all_plans(counts: list[int], spec: PlanSpec, **kw):

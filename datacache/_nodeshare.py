@@ -1,0 +1,116 @@
+"""Plan work done once per node: a result that every consumer of a node computes identically (the
+run's shard-to-node assignment, the node's eviction schedule of an epoch) is computed by the first
+of them and read by the others from the node cache's control directory.
+
+Layout: ``<control dir>/nodeplan/<name>.npy``, one NumPy array written once, atomically (temp,
+fsync, ``os.replace``), and mapped read-only by its readers (``np.load(mmap_mode="r")``: the
+node's page cache holds one copy for all its processes). ``<name>`` is a digest of the inputs,
+so a file never answers for other inputs. One computer at a time: it holds ``<name>.lock``
+(``flock``); a consumer that finds the lock held polls for the file for up to ``WAIT_S`` seconds,
+then computes the result itself (a stuck computer never blocks the node). A file that fails the
+caller's check (wrong shape, dtype or values) is recomputed and replaced, never used. Best effort:
+a directory that cannot be written costs only the sharing. At most ``KEEP`` files are kept (the
+oldest go). Thread- and process-safe; no state.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ._fsutil import replace_local
+from .errors import CacheError
+from .tiers import KeyLock, ensure_private_dir, remove_if_exists
+
+__all__ = ["shared_array", "WAIT_S", "KEEP"]
+
+log = logging.getLogger("datacache.plan")
+WAIT_S = 120.0
+KEEP = 64
+_POLL_S = 0.05
+
+
+def shared_array(directory: str | None, name: str, make: Callable[[], np.ndarray],
+                 valid: Callable[[np.ndarray], bool]) -> np.ndarray:
+    """``make()``, computed once per node under ``directory`` (see the module docstring) and
+    returned as a read-only array (a read-only map of the shared file where it could be shared).
+    ``name``: a file name unique to the inputs; ``valid``: whether a loaded array is the result."""
+    if directory is None:
+        return make()
+    try:
+        folder = ensure_private_dir(os.path.join(directory, "nodeplan"))
+    except (OSError, CacheError) as exc:
+        log.warning("datacache: plan work is not shared on this node (cannot use %s: %s)", directory, exc)
+        return make()
+    path = os.path.join(folder, name + ".npy")
+    found = _load(path, valid)
+    if found is not None:
+        return found
+    lock = KeyLock(folder, name)
+    deadline = time.monotonic() + WAIT_S
+    try:
+        while not lock.acquire(blocking=False):
+            found = _load(path, valid)
+            if found is not None:
+                return found
+            if time.monotonic() > deadline:
+                log.warning("datacache: %s is still being computed after %.0f s: computing it here too", path, WAIT_S)
+                return make()
+            time.sleep(_POLL_S)
+    except OSError as exc:
+        log.warning("datacache: cannot lock %s (%s): computing the plan here", path, exc)
+        return make()
+    try:
+        found = _load(path, valid)  # published while we waited for the lock
+        if found is not None:
+            return found
+        value = make()
+        if not _publish(path, value):
+            return value
+        shared = _load(path, valid)
+        return value if shared is None else shared
+    finally:
+        lock.release()
+
+
+def _load(path: str, valid: Callable[[np.ndarray], bool]) -> np.ndarray | None:
+    """The array at ``path`` mapped read-only, or None (absent, unreadable, or failing ``valid``)."""
+    try:
+        value = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, EOFError) as exc:
+        log.warning("datacache: ignoring unreadable plan file %s (%s): recomputing it", path, exc)
+        return None
+    if isinstance(value, np.ndarray) and valid(value):
+        return value
+    log.warning("datacache: ignoring plan file %s: not the expected result, recomputing it", path)
+    return None
+
+
+def _publish(path: str, value: np.ndarray) -> bool:
+    """Write ``value`` to ``path`` atomically, then drop the oldest files beyond ``KEEP``."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(value), allow_pickle=False)
+    try:
+        replace_local(path, buf.getvalue())
+    except OSError as exc:
+        log.warning("datacache: cannot share the plan file %s with the node's other processes: %s", path, exc)
+        return False
+    _prune(os.path.dirname(path))
+    return True
+
+
+def _prune(folder: str) -> None:
+    try:
+        files = [e for e in os.scandir(folder) if e.name.endswith(".npy")]
+        files.sort(key=lambda e: e.stat().st_mtime)
+    except OSError:
+        return
+    for entry in files[:-KEEP]:
+        remove_if_exists(entry.path)
+        remove_if_exists(entry.path[:-len(".npy")] + ".lock")
