@@ -45,6 +45,7 @@ __all__ = ["Ctx", "UsageError", "COMMANDS", "warm_order", "parse_ranks"]
 
 def cmd_stat(ctx: Ctx) -> int:
     config = ctx.cache_config()
+    manifest = _share_manifest(ctx)
     with NodeCache(config) as cache:
         s = cache.stats()
         entries = cache.entries()
@@ -80,8 +81,40 @@ def cmd_stat(ctx: Ctx) -> int:
     for ds, d in sorted(datasets.items()):
         lines.append(f"  {ds}  {d['entries']} entries  {format_size(d['bytes'])}  "
                      f"(ram {format_size(d['ram_bytes'])}, ssd {format_size(d['ssd_bytes'])})")
+    if manifest is not None:
+        a = ctx.args
+        share = _node_share(manifest, a.nodes, a.node_rank or 0, a.seed, {k for k, _ in entries})
+        data["node_share"] = {"url": a.url, **share}
+        part = share["cached_bytes"] / share["bytes"] if share["bytes"] else 1.0
+        lines.append(f"node {share['node_rank']} of {a.nodes} (seed {a.seed}) of {a.url}: "
+                     f"share {share['shards']} shards, {format_size(share['bytes'])}; "
+                     f"cached {share['cached_shards']} shards, {format_size(share['cached_bytes'])} ({part:.0%})")
     ctx.emit(data, lines)
     return 0
+
+
+def _share_manifest(ctx: Ctx) -> Manifest | None:
+    """The manifest of ``stat URL --nodes N``'s dataset (None without ``--nodes``)."""
+    a = ctx.args
+    if a.nodes is None:
+        if a.node_rank is not None or a.url is not None:
+            raise UsageError("stat URL needs --nodes N (and --node-rank K): the node's share of a job on N nodes")
+        return None
+    if a.url is None:
+        raise UsageError("stat --nodes needs the dataset: datacache stat URL --nodes N --node-rank K")
+    if (a.node_rank or 0) >= a.nodes:
+        raise UsageError(f"--node-rank {a.node_rank} is not below --nodes {a.nodes}")
+    with closing(open_store(a.url, ctx.storage_options)) as store:
+        return load_manifest(store)
+
+
+def _node_share(m: Manifest, nodes: int, node: int, seed: int, cached: set[str]) -> dict[str, Any]:
+    """Node ``node``'s share of ``m`` in a ``nodes``-node job, and how much of it is in ``cached``."""
+    owner = assign_nodes(np.array([s.bytes for s in m.shards], dtype=np.int64), nodes, seed)
+    mine = np.flatnonzero(owner == node).tolist()
+    held = [s for s in mine if m.cache_key(s) in cached]
+    return {"dataset_id": m.dataset_id, "nodes": nodes, "node_rank": node, "seed": seed, "shards": len(mine), "bytes": sum(m.shards[s].bytes for s in mine),
+            "cached_shards": len(held), "cached_bytes": sum(m.shards[s].bytes for s in held)}
 
 
 # ----------------------------------------------------------------------------------------- ls
@@ -116,7 +149,7 @@ def _node_shares(m: Manifest, nodes: int, seed: int) -> list[dict[str, int]]:
     """Each node's share of the dataset in a ``nodes``-node job (``_nodeorder.assign_nodes``)."""
     sizes = np.array([s.bytes for s in m.shards], dtype=np.int64)
     owner = assign_nodes(sizes, nodes, seed)
-    per_bytes = np.bincount(owner, weights=sizes, minlength=nodes)
+    per_bytes = np.bincount(owner, weights=sizes, minlength=nodes)  # exact below 2**53 bytes
     per_shards = np.bincount(owner, minlength=nodes)
     return [{"node": k, "shards": int(per_shards[k]), "bytes": int(per_bytes[k])} for k in range(nodes)]
 

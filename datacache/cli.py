@@ -119,10 +119,14 @@ examples:
     "stat": """\
 Per tier: budget, bytes used, entries, hits and misses (a RAM miss is an SSD hit or a fetch);
 bytes fetched from remote storage; and, per cached dataset (id = key prefix), entries and bytes.
+With a dataset URL and --nodes N --node-rank K: node K's share of a job on N nodes (the shards it
+keeps for the run, as `ls --nodes` shows them) and how much of it is cached on this node now.
 
 examples:
   datacache stat
   datacache stat --json | jq .datasets
+  # how much of node 3's share of a 64-node job (seed 5) this node's cache holds
+  datacache stat s3://bucket/ds/ --nodes 64 --node-rank 3 --seed 5
   DATACACHE_SSD_DIR=/nvme/cache datacache stat
 """,
     "ls": """\
@@ -290,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true", help="show what would be warmed; fetch nothing")
 
     p = _sub(subs, "stat", "cache usage, hit rates and cached datasets")
+    p.add_argument("url", metavar="URL", nargs="?", default=None,
+                   help="a dataset prefix: with --nodes, show how much of a node's share is cached")
+    p.add_argument("--nodes", type=_pos_int, default=None, help="nodes in the job (with URL and --node-rank)")
+    p.add_argument("--node-rank", type=_nonneg_int, default=None, help="the node whose share to show (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="the dataset seed, with --nodes (default 0)")
 
     p = _sub(subs, "ls", "summary of a dataset's manifest")
     p.add_argument("url", metavar="URL", help="dataset prefix (holding manifest.json)")

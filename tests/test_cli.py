@@ -25,6 +25,7 @@ import pytest
 
 from datacache import CacheConfig, NodeCache, StreamingDataset, load_manifest, open_store, write_dataset
 from datacache._cli_cmds import parse_ranks, warm_order
+from datacache._nodeorder import assign_nodes
 from datacache.cli import config_from_env, main
 from datacache.hashing import hash_bytes, hash_file
 from datacache.dist import DistInfo
@@ -274,6 +275,31 @@ def test_warm_node_rank_fills_exactly_that_nodes_share(node: Node) -> None:
             ds.close()
             ds.cache.close()
     assert node.stats()["remote_bytes"] == before["remote_bytes"]
+
+
+def test_stat_shows_a_nodes_share_and_how_much_is_cached(node: Node) -> None:
+    """``stat URL --nodes 2 --node-rank K``: node K's share (shards, bytes: what ``ls --nodes``
+    shows) and the part of it in this node's cache, nothing before ``warm`` and all of what
+    ``warm`` fetched of it after."""
+    url = _write(node)
+    m = load_manifest(open_store(url, node.opts))
+    share = run_json(["ls", url, "--nodes", "2", "--seed", "7"], node.env)["nodes"][1]
+    args = ["stat", url, "--nodes", "2", "--node-rank", "1", "--seed", "7"]
+    cold = run_json(args, node.env)["node_share"]
+    assert (cold["shards"], cold["bytes"], cold["cached_shards"], cold["cached_bytes"]) == \
+        (share["shards"], share["bytes"], 0, 0)
+    run_json(["warm", url, "--world-size", "2", "--nodes", "2", "--node-rank", "1", "--seed", "7"], node.env)
+    with NodeCache(node.config) as c:
+        keys = {k for k, _ in c.entries()}
+    owner = assign_nodes(np.array([s.bytes for s in m.shards]), 2, 7)
+    held = [i for i in range(N_SHARDS) if owner[i] == 1 and m.cache_key(i) in keys]
+    warm = run_json(args, node.env)["node_share"]
+    assert warm["cached_shards"] == len(held) >= share["shards"] - 1 and warm["node_rank"] == 1
+    assert warm["cached_bytes"] == sum(m.shards[i].bytes for i in held)
+    text = run_cli(args, node.env).stdout
+    assert f"share {share['shards']} shards" in text and f"cached {len(held)} shards" in text
+    for bad in (["stat", "--nodes", "2"], ["stat", url, "--nodes", "2", "--node-rank", "2"], ["stat", url]):
+        assert "datacache: error:" in _one_line_error(p := run_cli(bad, node.env)) and p.returncode == 2
 
 
 def test_warm_batch_size_follows_the_batched_plan(node: Node) -> None:
