@@ -1,10 +1,16 @@
-"""A real ``torchrun --standalone --nproc_per_node=2`` job (gloo) over the S3 fixture, reached
-through a metering SlowLink proxy, both ranks sharing one node cache: samples are split exactly once
-across ranks, each shard crosses the link once for the node in epoch 1, and epoch 2 costs nothing."""
+"""Real torchrun jobs (gloo) over the S3 fixture, reached through a metering SlowLink proxy.
+
+- ``torchrun --standalone --nproc_per_node=2``, both ranks sharing one node cache: samples are split
+  exactly once across ranks, each shard crosses the link once for the node in epoch 1, and epoch 2
+  costs nothing;
+- two nodes, ``torchrun --nnodes 2 --node-rank 0/1`` on 127.0.0.1, each with its own cache
+  directories: exactly once across all ranks, and epoch 2 reads <= 1 % of the dataset.
+"""
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -30,59 +36,79 @@ def _log_tail(path: Path, n: int = 6000) -> str:
         return "<no log>"
 
 
-@pytest.mark.timeout(TIMEOUT + 30)
-def test_torchrun_two_ranks_share_node_cache(s3_server: Any, slowlink: Any, tmp_path: Path) -> None:
-    url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/"
-    # written straight to the server: the link sees only the job's reads
-    rng = np.random.default_rng(0)  # incompressible payload: ~48 KB shards
-    m = write_dataset(({"i": i, "x": rng.integers(0, 2**31 - 1, 64, dtype=np.int32)} for i in range(N)), url,
-                      shard_bytes=48 << 10, storage_options=s3_server.storage_options(), progress=False)
-    shard_bytes = m.total_bytes
-    assert len(m.shards) >= 8
-    manifest_bytes = len(m.to_json().encode())
-    link = slowlink(bandwidth=500e6, latency=0.001)
-
-    out, cache_dir = tmp_path / "out", tmp_path / "cache"
-    out.mkdir()
-    cfg = {"url": url, "storage_options": s3_server.storage_options(link.endpoint_url), "cache_dir": str(cache_dir),
-           "out_dir": str(out), "epochs": 2}
-    cfg_path = tmp_path / "cfg.json"
-    cfg_path.write_text(json.dumps(cfg))
+def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    log = tmp_path / "torchrun.log"
-    deadline = time.monotonic() + TIMEOUT
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                 str(WORKER), str(cfg_path)], cwd=ROOT, env=env, stdout=logf,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            while not (out / "epoch0.done").exists():
-                assert proc.poll() is None, f"torchrun exited early ({proc.returncode}):\n{_log_tail(log)}"
-                assert time.monotonic() < deadline, f"epoch 1 did not finish:\n{_log_tail(log)}"
-                time.sleep(0.05)
-            epoch1 = link.snapshot()
-            (out / "epoch0.go").touch()
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except BaseException:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)  # the job's own process group: torchrun and its ranks
-                proc.wait()
-            raise
-    assert rc == 0, f"torchrun failed ({rc}):\n{_log_tail(log)}"
-    total = link.snapshot()
+    return env
 
-    # exactly once across ranks, every epoch; equal shares; epochs differ
+
+def _dataset(s3_server: Any) -> tuple[str, Any]:
+    """N samples, written straight to the server: the link sees only the job's reads."""
+    url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/"
+    rng = np.random.default_rng(0)  # incompressible payload: ~48 KB shards
+    m = write_dataset(({"i": i, "x": rng.integers(0, 2**31 - 1, 64, dtype=np.int32)} for i in range(N)), url,
+                      shard_bytes=48 << 10, storage_options=s3_server.storage_options(), progress=False)
+    assert len(m.shards) >= 8
+    return url, m
+
+
+def _run(launchers: list[list[str]], cfg: dict[str, Any], tmp_path: Path, link: Any) -> tuple[dict, dict]:
+    """Start one torchrun per entry of ``launchers`` (its arguments before the worker), wait for epoch 1
+    on every rank, read the proxy's counters, let the job finish; (epoch 1's counters, the total)."""
+    out = Path(cfg["out_dir"])
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(cfg))
+    logs = [tmp_path / f"torchrun{k}.log" for k in range(len(launchers))]
+    tails = lambda: "\n".join(f"--- {p.name}\n{_log_tail(p)}" for p in logs)  # noqa: E731
+    deadline = time.monotonic() + TIMEOUT
+    procs: list[subprocess.Popen] = []
+    try:
+        for args, log in zip(launchers, logs):
+            with open(log, "wb") as logf:
+                procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, str(WORKER),
+                                               str(cfg_path)], cwd=ROOT, env=_env(), stdout=logf,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        while not (out / "epoch0.done").exists():
+            assert all(p.poll() is None for p in procs), f"torchrun exited early:\n{tails()}"
+            assert time.monotonic() < deadline, f"epoch 1 did not finish:\n{tails()}"
+            time.sleep(0.05)
+        epoch1 = link.snapshot()
+        (out / "epoch0.go").touch()
+        rcs = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)  # the job's own process group: torchrun and its ranks
+                p.wait()
+    assert rcs == [0] * len(procs), f"torchrun failed ({rcs}):\n{tails()}"
+    return epoch1, link.snapshot()
+
+
+def _exactly_once(out: Path, ranks: int) -> None:
+    """Every epoch: each sample once across all ranks, equal shares; the epochs' orders differ."""
     orders = []
     for epoch in range(2):
-        per_rank = [json.loads((out / f"rank{r}_epoch{epoch}.json").read_text()) for r in range(2)]
-        assert len(per_rank[0]) == len(per_rank[1]) == N // 2
-        assert not set(per_rank[0]) & set(per_rank[1]), f"epoch {epoch}: ranks share samples"
-        assert sorted(per_rank[0] + per_rank[1]) == list(range(N)), f"epoch {epoch}: not every sample once"
-        orders.append(per_rank[0])
+        per_rank = [json.loads((out / f"rank{r}_epoch{epoch}.json").read_text()) for r in range(ranks)]
+        assert all(len(p) == N // ranks for p in per_rank), f"epoch {epoch}: unequal ranks"
+        assert sorted(sum(per_rank, [])) == list(range(N)), f"epoch {epoch}: not every sample once"
+        orders.append(per_rank)
     assert orders[0] != orders[1]
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_torchrun_two_ranks_share_node_cache(s3_server: Any, slowlink: Any, tmp_path: Path) -> None:
+    url, m = _dataset(s3_server)
+    shard_bytes = m.total_bytes
+    manifest_bytes = len(m.to_json().encode())
+    link = slowlink(bandwidth=500e6, latency=0.001)
+    out, cache_dir = tmp_path / "out", tmp_path / "cache"
+    out.mkdir()
+    cfg = {"url": url, "storage_options": s3_server.storage_options(link.endpoint_url), "cache_dir": str(cache_dir),
+           "out_dir": str(out), "epochs": 2}
+    epoch1, total = _run([["--standalone", "--nproc_per_node=2"]], cfg, tmp_path, link)
+    _exactly_once(out, 2)
 
     # epoch 1: each shard crossed the link once for the whole node (2 ranks x 2 workers)
     gets = epoch1["gets"]
@@ -101,3 +127,31 @@ def test_torchrun_two_ranks_share_node_cache(s3_server: Any, slowlink: Any, tmp_
     stats = [json.loads((out / f"rank{r}_stats.json").read_text()) for r in range(2)]
     assert stats[1]["remote_bytes"] == shard_bytes and stats[1]["misses"] == len(m.shards)
     assert stats[1]["samples"] == 2 * N
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_torchrun_two_nodes_each_keeps_its_share(s3_server: Any, slowlink: Any, tmp_path: Path) -> None:
+    """``torchrun --nnodes 2 --node-rank 0/1 --nproc-per-node 2`` (static rendezvous on 127.0.0.1),
+    each node with its own RAM and SSD directories, through the metering proxy: every epoch is
+    exactly once across the 4 ranks; epoch 2 reads <= 1 % of D (each node's cache holds its
+    share); each node computed its shard-to-node assignment once, in its own control directory."""
+    url, m = _dataset(s3_server)
+    link = slowlink(bandwidth=500e6, latency=0.001)
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = {"url": url, "storage_options": s3_server.storage_options(link.endpoint_url), "nodes": 2,
+           "cache_dir": str(tmp_path / "node{node}"), "out_dir": str(out), "epochs": 2}
+    port = str(_free_port())
+    epoch1, total = _run([["--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", port] for k in (0, 1)], cfg, tmp_path, link)
+    _exactly_once(out, 4)
+    assert epoch1["bytes_down"] >= m.total_bytes, epoch1
+    assert total["bytes_down"] - epoch1["bytes_down"] <= 0.01 * m.total_bytes, (epoch1, total)
+    for k in (0, 1):
+        assert len(list((tmp_path / f"node{k}").glob("*/control/nodeplan/assign-*.npy"))) == 1

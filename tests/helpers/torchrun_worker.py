@@ -1,8 +1,10 @@
-"""One rank of tests/test_torchrun.py, started by ``torchrun --standalone --nproc_per_node=2``.
+"""One rank of tests/test_torchrun.py, started by ``torchrun --standalone --nproc_per_node=2`` or,
+one node of several, ``torchrun --nnodes N --node-rank K``.
 
-Reads a JSON config (argv[1]): url, storage_options, cache_dir, out_dir, epochs. Every rank streams
-each epoch through a 2-worker DataLoader over a node cache shared by both ranks, and writes the
-sample ids it got to ``out_dir/rank{r}_epoch{e}.json``. Between epochs rank 0 writes
+Reads a JSON config (argv[1]): url, storage_options, cache_dir (``{node}`` in it: the node's rank),
+out_dir, epochs, nodes (default 1). Every rank streams each epoch through a 2-worker DataLoader over
+its node's cache (shared by the node's ranks), and writes the sample ids it got to
+``out_dir/rank{r}_epoch{e}.json``. Between epochs rank 0 writes
 ``epoch{e}.done`` and waits for the test to answer ``epoch{e}.go`` (so the test can read the proxy's
 counters at that point); the ranks meet at barriers around that handshake.
 """
@@ -25,13 +27,15 @@ def main() -> int:
         cfg = json.load(f)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    per_node = world // cfg.get("nodes", 1)
     info = detect()
-    assert (info.rank, info.world_size, info.local_world_size) == (rank, world, world), info
+    assert (info.rank, info.world_size, info.local_world_size) == (rank, world, per_node), info
     out = cfg["out_dir"]
-    cache = CacheConfig(ram_bytes="64MB", ssd_bytes="64MB", ram_dir=os.path.join(cfg["cache_dir"], "ram"),
-                        ssd_dir=os.path.join(cfg["cache_dir"], "ssd"))
+    node_dir = cfg["cache_dir"].format(node=rank // per_node)
+    cache = CacheConfig(ram_bytes="64MB", ssd_bytes="64MB", ram_dir=os.path.join(node_dir, "ram"),
+                        ssd_dir=os.path.join(node_dir, "ssd"))
     ds = StreamingDataset(cfg["url"], storage_options=cfg["storage_options"], cache=cache, seed=5)
-    assert (ds.dp_rank, ds.dp_size) == (rank, world)
+    assert (ds.dp_rank, ds.dp_size, ds.num_nodes) == (rank, world, cfg.get("nodes", 1))
     loader = DataLoader(ds, batch_size=16, num_workers=2)
     for epoch in range(cfg["epochs"]):
         ds.set_epoch(epoch)
