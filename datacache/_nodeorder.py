@@ -42,7 +42,6 @@ from ._pieces import Pieces
 
 __all__ = ["assign_nodes", "node_pieces", "node_part", "memo", "digest", "readonly"]
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _memo_lock = threading.Lock()
 _memo: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 _MEMO_SIZE = 16
@@ -110,7 +109,7 @@ def _hash(seed: int, ids: np.ndarray, node: int) -> np.ndarray:
             x ^= x >> np.uint64(shift)
             x *= np.uint64(mul)
         x ^= x >> np.uint64(31)
-    return x & _M64
+    return x  # uint64 arithmetic wraps: already modulo 2**64
 
 
 def assign_nodes(sizes: np.ndarray, num_nodes: int, seed: int, share_dir: str | None = None) -> np.ndarray:
@@ -149,7 +148,7 @@ def _assign(sizes: np.ndarray, num_nodes: int, seed: int) -> np.ndarray:
         w = _hash(seed, ids, k)
         # Only the highest weights can be taken (each node gives about 1/(k+1) of its shards):
         # look at those first, and at a donor's whole list only if they do not suffice.
-        frac = min(1.0, 8.0 / (k + 1))
+        frac = min(1.0, 2.0 / (k + 1))  # twice what a donor gives; the fallback below covers the rest
         cand = ids if frac >= 1.0 else np.flatnonzero(w >= np.uint64(int((1.0 - frac) * 2.0**64)))
         cand = cand[np.lexsort((~w[cand], owner[cand]))]
         bounds = np.searchsorted(owner[cand], np.arange(k + 1))
