@@ -233,6 +233,13 @@ def _node_part(k: int, of_node: Callable[[int], Pieces], lay: _Layout, base: Cal
     return Pieces.concat([mine, src.resize(lay.quota - len(mine))])
 
 
+def _per_node(owner: np.ndarray, counts: np.ndarray, num_nodes: int) -> np.ndarray:
+    """Samples per node, exact in int64 (no float copy of ``counts`` as ``bincount`` makes)."""
+    have = np.zeros(num_nodes, dtype=np.int64)
+    np.add.at(have, owner, counts)
+    return have
+
+
 def node_part(counts: np.ndarray, *, weights: np.ndarray, node: int, num_nodes: int, dp_size: int,
               drop_last: bool, unit: int, shuffle: bool, seed: int, epoch: int) -> tuple[Pieces, int]:
     """(node ``node``'s part of the epoch order (``node_pieces`` cut to that node, ``quota``
@@ -240,8 +247,7 @@ def node_part(counts: np.ndarray, *, weights: np.ndarray, node: int, num_nodes: 
     besides the assignment."""
     owner = assign_nodes(weights, num_nodes, seed)
     lay = memo(("layout", digest(counts), digest(weights), num_nodes, seed, dp_size, drop_last, unit),
-               lambda: _layout(np.bincount(owner, weights=counts, minlength=num_nodes).astype(np.int64),
-                               num_nodes, dp_size, drop_last, unit))
+               lambda: _layout(_per_node(owner, counts, num_nodes), num_nodes, dp_size, drop_last, unit))
     shards = functools.lru_cache(maxsize=None)(lambda j: _node_shards(counts, owner, j))
     every = lambda: Pieces.concat([shards(j) for j in range(num_nodes)])  # noqa: E731
     part = _node_part(node, shards, lay, every, shuffle=shuffle, seed=seed, epoch=epoch)

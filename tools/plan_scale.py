@@ -65,6 +65,8 @@ def run_role(samples: int, per_shard: int, nodes: int, ranks: int, workers: int,
     """One consumer's plan work before its first batch, with the node's shared files in ``share``
     (none yet: the first consumer): its wall time, or (``traced``) its peak allocation."""
     import numpy.lib.format as npy_format
+    import numpy.ma as npy_ma  # imported by the first np.load
+    import numpy.random as npy_random
 
     from datacache import _nodeshare, nodeplan
     from datacache._nodeorder import assign_nodes
@@ -79,7 +81,7 @@ def run_role(samples: int, per_shard: int, nodes: int, ranks: int, workers: int,
     node_ranks = list(range(node * ranks, (node + 1) * ranks))
     spec = PlanSpec(seed=1, epoch=3, dp_size=nodes * ranks, dp_rank=node_ranks[0], num_workers=workers,
                     worker_id=workers - 1, num_nodes=nodes, shard_bytes=sizes)
-    assert nodeplan and _nodeshare and npy_format  # imported before tracing: imports are no plan memory
+    assert all((nodeplan, _nodeshare, npy_format, npy_ma, npy_random))  # imported before tracing: no plan memory
     if traced:
         tracemalloc.start()
     t0 = time.perf_counter()
