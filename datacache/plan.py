@@ -104,7 +104,8 @@ class PlanSpec:
 def _offsets(counts: np.ndarray) -> np.ndarray:
     """Each shard's first sample id, plus the total (memoized; read-only)."""
     def make() -> np.ndarray:
-        out = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        out = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, dtype=np.int64, out=out[1:])  # in place: one full-length array at peak
         out.flags.writeable = False
         return out
     return memo(("offsets", digest(np.asarray(counts, dtype=np.int64))), make)
