@@ -45,6 +45,7 @@ __all__ = ["assign_nodes", "node_pieces", "node_part", "memo", "digest", "readon
 _memo_lock = threading.Lock()
 _memo: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 _MEMO_SIZE = 16
+_CHUNK = 1 << 16
 _assignments: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 _digests: dict[int, tuple[weakref.ref, str]] = {}
 
@@ -234,9 +235,11 @@ def _node_part(k: int, of_node: Callable[[int], Pieces], lay: _Layout, base: Cal
 
 
 def _per_node(owner: np.ndarray, counts: np.ndarray, num_nodes: int) -> np.ndarray:
-    """Samples per node, exact in int64 (no float copy of ``counts`` as ``bincount`` makes)."""
+    """Samples per node, exact in int64, in chunks: no full-length copy (``bincount`` would make
+    float weights and full-length indices of the node ids)."""
     have = np.zeros(num_nodes, dtype=np.int64)
-    np.add.at(have, owner, counts)
+    for a in range(0, len(owner), _CHUNK):
+        np.add.at(have, owner[a:a + _CHUNK], counts[a:a + _CHUNK])
     return have
 
 
