@@ -13,7 +13,8 @@ clairvoyant eviction. Steps:
    (seeded, balanced in bytes, barely moved when the node count changes), and each epoch permutes
    only within a node's share; nodes follow one another in the order, each with exactly its
    ranks' share (padded or cut per node). ``placement="global"`` keeps the global permutation.
-2. Ranks: the order is cut into ``dp_size`` equal contiguous parts (ranks are packed per node).
+2. Ranks: the order is cut into ``dp_size`` equal contiguous parts (ranks are packed per node; a
+   node-sticky plan builds only the rank's node's part, ``_nodeorder.node_part``).
    ``drop_last=False`` pads the order by repeating samples from its start until it divides evenly
    (``padded`` counts them); ``drop_last=True`` drops the remainder. Every rank therefore reads
    the same number of samples, and, since the worker split below is the same everywhere, yields
