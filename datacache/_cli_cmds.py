@@ -111,10 +111,10 @@ def _share_manifest(ctx: Ctx) -> Manifest | None:
 def _node_share(m: Manifest, nodes: int, node: int, seed: int, cached: set[str]) -> dict[str, Any]:
     """Node ``node``'s share of ``m`` in a ``nodes``-node job, and how much of it is in ``cached``."""
     owner = assign_nodes(np.array([s.bytes for s in m.shards], dtype=np.int64), nodes, seed)
-    mine = np.flatnonzero(owner == node).tolist()
-    held = [s for s in mine if m.cache_key(s) in cached]
-    return {"dataset_id": m.dataset_id, "nodes": nodes, "node_rank": node, "seed": seed, "shards": len(mine), "bytes": sum(m.shards[s].bytes for s in mine),
-            "cached_shards": len(held), "cached_bytes": sum(m.shards[s].bytes for s in held)}
+    held = [s for s in np.flatnonzero(owner == node).tolist() if m.cache_key(s) in cached]
+    share = _node_shares(m, nodes, seed)[node]
+    return {"dataset_id": m.dataset_id, "nodes": nodes, "node_rank": node, "seed": seed, "shards": share["shards"],
+            "bytes": share["bytes"], "cached_shards": len(held), "cached_bytes": sum(m.shards[s].bytes for s in held)}
 
 
 # ----------------------------------------------------------------------------------------- ls
