@@ -22,8 +22,8 @@ from typing import Any, Callable
 import pytest
 
 from tests.helpers import faults as H
-from datacache import (CacheError, IntegrityError, Manifest, ManifestError, NodeCache, ReaderError, ShardInfo,
-                       StreamingDataset, open_store)
+from datacache import (CacheError, IntegrityError, Manifest, ManifestError, NodeCache, NotFoundError, ReaderError,
+                       ShardInfo, StreamingDataset, open_store)
 from datacache.hashing import hash_bytes
 from tests.helpers.crafted import bomb_frame, craft_dcz
 
@@ -265,8 +265,9 @@ def test_credentials_never_appear_in_errors_logs_repr_stats_or_cli(s3_server: An
     caplog.set_level(logging.DEBUG)
     ds = StreamingDataset(url, storage_options=opts, cache=H.cache_config(tmp_path),
                           retry=RetryConfig(attempts=8, base_delay=0.01, max_delay=0.05, deadline=20))
-    with pytest.raises(Exception) as info:
+    with pytest.raises(NotFoundError) as info:  # the deleted shard, named by its URL
         list(ds)
+    assert info.value.url is not None and info.value.url.endswith(m.shards[3].name)
     texts = {"error": "".join(traceback.format_exception(info.value)), "repr": repr(ds), "stats": repr(ds.stats()),
              "datacache logs": "\n".join(f"{r.getMessage()} {r.args}" for r in caplog.records
                                          if r.name.startswith("datacache")),
