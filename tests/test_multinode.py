@@ -154,24 +154,29 @@ def test_sticky_reads_two_nodes(s3_server: Any, slowlink: Any, tmp_path: Path) -
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 60)
-def test_elastic_resume_three_to_two_nodes(s3_server: Any, slowlink: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_elastic_resume_three_to_two_nodes(s3_server: Any, slowlink: Any, tmp_path: Path, workers: int) -> None:
+    """Saved in each rank's main process (rank 0's state resumed), or in each rank's 2 DataLoader
+    workers (StatefulDataLoader; every rank's state resumed), and resumed on 2 nodes."""
+    from datacache.resume import rank_state
+
     n = 3000
     url, m = _dataset(s3_server, n)
     d = m.total_bytes
     link = slowlink(bandwidth=0, latency=0.0)
     nodes = [tmp_path / f"node{k}" for k in range(3)]
-    stop = 400  # of the 1,000 samples each rank reads in epoch 1
+    stop = 400  # of the 1,000 samples each rank reads in epoch 1 (25 batches of 16 with workers)
     first = Job(tmp_path, "three", link, _base(url, s3_server, link, int(0.6 * d)), nodes, per_node=1,
-                epochs=[0, 1], stop=[1, stop])
+                epochs=[0, 1], stop=[1, stop], num_workers=workers)
     first.run()
     lost = first.stats(1, 2)["used_ram"]  # what the third node holds
     states = [json.loads((first.out / f"state_rank{r}.json").read_text()) for r in range(3)]
-    assert {json.dumps(s["consumed"]) for s in states} == {json.dumps([stop])}
+    assert [sum(rank_state(s).consumed) for s in states] == [stop] * 3
     shutil.rmtree(nodes[2])  # the third node is gone, and its cache with it
     state_path = tmp_path / "state.json"
-    state_path.write_text(json.dumps(states[0]))
+    state_path.write_text(json.dumps(states if workers else states[0]))
     resumed = Job(tmp_path, "two", link, _base(url, s3_server, link, int(0.6 * d)), nodes[:2], per_node=1,
-                  epochs=[1, 2], resume=str(state_path))
+                  epochs=[1, 2], resume=str(state_path), num_workers=workers)
     snaps = resumed.run()
     epoch1 = first.ids(1) + resumed.ids(1)
     seen = Counter(i for ids in epoch1 for i in ids)

@@ -2,9 +2,11 @@
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) set by the test, reading through its node's cache.
 
 Reads a JSON config (argv[1]): url, storage_options, ram_dir, ssd_dir, ram_bytes, ssd_bytes, seed,
-epochs (list), num_workers, out_dir; optional resume (path of a state to load before the first
-epoch) and stop ([epoch, n]: stop that epoch after n samples and save ``state_dict()`` to
-``out_dir/state_rank{r}.json``; needs num_workers=0) and payload_size (samples are
+epochs (list), num_workers, out_dir; optional resume (path of a state, or of a list of every old
+rank's state, to load before the first epoch) and stop ([epoch, n]: stop that epoch after n samples
+and save the state to ``out_dir/state_rank{r}.json``: the dataset's ``state_dict()`` with
+num_workers=0, else that of a StatefulDataLoader, saved in its workers; n a multiple of 16 then) and
+payload_size (samples are
 ``tests.helpers.faults`` samples: check every sample's bytes). Per epoch it writes the sample ids it
 got to ``out_dir/epoch{e}_rank{r}.json`` and its node cache's stats to ``stats{e}_rank{r}.json``
 (with ``bad``: the samples whose bytes were wrong), then
@@ -18,6 +20,7 @@ import sys
 import time
 
 from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from datacache import CacheConfig, StreamingDataset
 from tests.helpers.faults import payload
@@ -64,15 +67,21 @@ def main() -> int:
         ids: list[int] = []
         bad = 0
         size = cfg.get("payload_size")
+        stopping = epoch == stop_epoch
         if cfg["num_workers"]:
-            for batch in DataLoader(ds, batch_size=16, num_workers=cfg["num_workers"]):
+            loader = (StatefulDataLoader if stopping else DataLoader)(ds, batch_size=16, num_workers=cfg["num_workers"])
+            for batch in loader:
                 ids += batch["i"].tolist()
                 bad += _wrong(batch, size)
+                if stopping and len(ids) >= stop_after:
+                    _write(os.path.join(out, f"state_rank{rank}.json"), loader.state_dict())
+                    break
+            del loader
         else:
             for sample in ds:
                 ids.append(int(sample["i"]))
                 bad += _wrong({"i": [sample["i"]], "data": [sample.get("data")]}, size)
-                if epoch == stop_epoch and len(ids) == stop_after:
+                if stopping and len(ids) == stop_after:
                     _write(os.path.join(out, f"state_rank{rank}.json"), ds.state_dict())
                     break
         _write(os.path.join(out, f"epoch{epoch}_rank{rank}.json"), ids)
