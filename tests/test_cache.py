@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import cache_worker as W
+from tests.helpers.as_user import give_away
 from datacache.cache import NodeCache
 from datacache.config import CacheConfig
 from datacache.errors import CacheError
@@ -467,13 +468,11 @@ def test_unwritable_ssd_dir_disables_the_tier_and_ram_keeps_serving(tmp_path, di
 
 @pytest.mark.parametrize("which", ["ram", "ssd"])
 def test_cache_dir_owned_by_another_user_is_refused(dirs, which):
-    if os.getuid() != 0:
-        pytest.skip("chown to another user needs root")
     os.makedirs(dirs[which], mode=0o700)
-    os.chown(dirs[which], 12345, 12345)
+    owner = give_away(dirs[which])  # root: chown; a normal user: tests/test_as_user.py
     with pytest.raises(CacheError) as ei:
         open_cache(dirs, 1 * MB, 1 * MB)
-    assert dirs[which] in str(ei.value) and "12345" in str(ei.value)
+    assert dirs[which] in str(ei.value) and f"uid {owner}," in str(ei.value)
 
 
 def test_cache_dirs_are_private(dirs):

@@ -25,6 +25,7 @@ from tests.helpers import faults as H
 from datacache import (CacheError, IntegrityError, Manifest, ManifestError, NodeCache, NotFoundError, ReaderError,
                        ShardInfo, StreamingDataset, open_store)
 from datacache.hashing import hash_bytes
+from tests.helpers.as_user import give_away
 from tests.helpers.crafted import bomb_frame, craft_dcz
 
 SIZE = 1000
@@ -217,14 +218,12 @@ def test_zstd_bomb_in_a_dataset_is_refused_in_bounded_memory(tmp_path: Path) -> 
 # --------------------------------------------------------------------------- cache directories
 @pytest.mark.parametrize("which", ["ssd/control", "ssd/control/locks", "ssd/data", "ram/data"])
 def test_cache_dir_owned_by_another_user_is_refused(which: str, tmp_path: Path) -> None:
-    if os.getuid() != 0:
-        pytest.skip("chown to another user needs root")
     path = tmp_path / which
     for p in reversed([path, *path.parents]):
         if p.is_relative_to(tmp_path) and p != tmp_path:
             p.mkdir(mode=0o700, exist_ok=True)
-    os.chown(path, 12345, 12345)
-    with pytest.raises(CacheError, match="12345") as info:
+    owner = give_away(path)  # root: chown; a normal user: tests/test_as_user.py
+    with pytest.raises(CacheError, match=f"owned by uid {owner},") as info:
         NodeCache(H.cache_config(tmp_path, ram="1MB", ssd="1MB"))
     assert info.value.url == str(path)
 
