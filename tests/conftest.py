@@ -69,7 +69,8 @@ def slowlink(s3_server: SeaweedServer) -> Iterator[Callable[..., SlowLink]]:
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A 32 MB tmpfs mounted for the test (root only; skipped where mounting is not allowed)."""
+    """A 32 MB tmpfs mounted for the test: as root, or in a user namespace (tests/test_as_user.py
+    runs these tests so as a normal user); skipped where mounting is not allowed."""
     import subprocess
 
     mnt = tmp_path / "tmpfs"

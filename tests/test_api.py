@@ -47,6 +47,14 @@ def test_version_and_cli_help() -> None:
     out = subprocess.run([sys.executable, "-c", "import datacache, readers; print(datacache.__version__)"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == datacache.__version__
+    # the installed command's --help and --version (was: named for --help but never ran it)
+    cli = [sys.executable, "-m", "datacache.cli"]
+    help_ = subprocess.run([*cli, "--help"], capture_output=True, text=True, timeout=120)
+    assert help_.returncode == 0 and help_.stdout.startswith("usage: datacache"), help_.stderr
+    for command in ("warm", "stat", "ls", "index", "write", "verify", "clear"):
+        assert f"\n    {command} " in help_.stdout, f"--help does not list {command}"
+    version = subprocess.run([*cli, "--version"], capture_output=True, text=True, timeout=120)
+    assert version.returncode == 0 and datacache.__version__ in version.stdout, version.stderr
 
 
 def test_no_import_circle_and_no_module_imports_the_package_above_it() -> None:

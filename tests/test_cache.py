@@ -26,6 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import cache_worker as W
+from tests.helpers.as_user import give_away
+from tests.helpers.faults import wait_for
 from datacache.cache import NodeCache
 from datacache.config import CacheConfig
 from datacache.errors import CacheError
@@ -467,13 +469,11 @@ def test_unwritable_ssd_dir_disables_the_tier_and_ram_keeps_serving(tmp_path, di
 
 @pytest.mark.parametrize("which", ["ram", "ssd"])
 def test_cache_dir_owned_by_another_user_is_refused(dirs, which):
-    if os.getuid() != 0:
-        pytest.skip("chown to another user needs root")
     os.makedirs(dirs[which], mode=0o700)
-    os.chown(dirs[which], 12345, 12345)
+    owner = give_away(dirs[which])  # root: chown; a normal user: tests/test_as_user.py
     with pytest.raises(CacheError) as ei:
         open_cache(dirs, 1 * MB, 1 * MB)
-    assert dirs[which] in str(ei.value) and "12345" in str(ei.value)
+    assert dirs[which] in str(ei.value) and f"uid {owner}," in str(ei.value)
 
 
 def test_cache_dirs_are_private(dirs):
@@ -553,12 +553,16 @@ def test_cache_is_usable_in_a_forked_child_and_in_the_parent_after(dirs):
 def test_fork_spares_lmdb_transactions_in_flight_in_other_threads(dirs):
     cache = open_cache(dirs, 1 * MB, 1 * MB)
     _fill(cache, ["a"], dirs["log"], 10 * KB)
+    from datacache import index as index_module
+
     in_txn, seen = threading.Event(), []
 
     def reader():
         with cache.index.read() as txn:
             in_txn.set()
-            time.sleep(0.5)  # a fork in the main thread must neither break this snapshot nor its reader slot
+            # the fork in the main thread waits for this transaction (was: a 0.5 s sleep, which a
+            # slow fork could outlast); it must neither break this snapshot nor its reader slot
+            wait_for(lambda: index_module._gate._waiters, 60, "the fork to wait for the transaction")
             assert txn.get("a") is not None
             readers = [line.split() for line in cache.index.env.readers().splitlines()[1:]]
             seen.append(any(r[0] == str(os.getpid()) and r[-1] != "-" for r in readers))

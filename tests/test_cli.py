@@ -223,6 +223,18 @@ def test_warm_then_epoch_reads_nothing_remote_stat_clear(s3_server: Any, tmp_pat
     assert s["entries_ram"] == s["entries_ssd"] == 0 and s["used_ram"] == s["used_ssd"] == 0
 
 
+def _first_need(counts: np.ndarray, spec: PlanSpec, ranks: list[int]) -> dict[int, float]:
+    """Each shard the node's consumers (``ranks`` x ``spec.num_workers``) read, with the node-clock
+    time its first reader starts it, straight from each consumer's plan (independent of warm_order)."""
+    need: dict[int, float] = {}
+    for r in ranks:
+        for w in range(spec.num_workers):
+            plan = build_plan(counts, replace(spec, dp_rank=r, worker_id=w), shards_only=True)
+            for shard, t in zip(plan.shard_sequence, plan.run_times(spec.epoch)):
+                need[shard] = min(t, need.get(shard, t))
+    return need
+
+
 def test_warm_multi_rank_budget_takes_first_needs_first(node: Node) -> None:
     url = _write(node)
     m = load_manifest(open_store(url, node.opts))
@@ -230,15 +242,19 @@ def test_warm_multi_rank_budget_takes_first_needs_first(node: Node) -> None:
     # ranks 2-3 of 4 are the second of 2 nodes: the plan is node-sticky
     spec = PlanSpec(seed=7, epoch=0, dp_size=4, dp_rank=2, num_workers=2, window=2, num_nodes=2,
                     shard_bytes=np.array([s.bytes for s in m.shards]))
-    order = warm_order(counts, spec, [2, 3])
-    budget = sum(m.shards[s].bytes for s in order[:5])
+    need = _first_need(counts, spec, [2, 3])
+    # a budget of exactly the shards some consumer starts by the first time that gives >= 4 of them
+    cut = next(t for t in sorted(set(need.values())) if sum(v <= t for v in need.values()) >= 4)
+    first = {s for s, t in need.items() if t <= cut}
+    assert len(first) < len(need)
+    budget = sum(m.shards[s].bytes for s in first)
     out = run_json(["--ram-bytes", "0", "warm", url, "--world-size", "4", "--ranks", "2-3", "--workers", "2",
                     "--seed", "7", "--window", "2", "--bytes", str(budget)], node.env)
     assert out["dp_ranks"] == [2, 3] and out["limited_by"] == "--bytes"
-    assert out["fetched"] == 5 and out["node_shards"] == len(order)
+    assert out["fetched"] == len(first) and out["node_shards"] == len(need)
     with NodeCache(node.config) as c:
         cached = {k for k, _ in c.entries()}
-    assert cached == {m.cache_key(s) for s in order[:5]}
+    assert cached == {m.cache_key(s) for s in first}
 
 
 def test_warm_node_rank_fills_exactly_that_nodes_share(node: Node) -> None:
@@ -255,7 +271,10 @@ def test_warm_node_rank_fills_exactly_that_nodes_share(node: Node) -> None:
     args = ["warm", url, "--world-size", "4", "--nodes", "2", "--node-rank", "1", "--workers", "2", "--seed", "7",
             "--epoch", "1"]
     dry = run_json([*args, "--dry-run"], node.env)
-    assert [s["name"] for s in dry["shards"]] == [m.shards[s].name for s in warm_order(counts, spec, [2, 3])]
+    need = _first_need(counts, spec, [2, 3])
+    by_name = {m.shards[s].name: s for s in need}
+    times = [need[by_name[s["name"]]] for s in dry["shards"]]  # KeyError: a shard of the other node
+    assert len(times) == len(share) and times == sorted(times), "not first need first"
     assert dry["nodes"] == 2 and dry["node_rank"] == 1 and dry["node_shards"] == len(share)
     out = run_json(args, node.env)
     assert out["fetched"] == len(share) and out["node_bytes"] == sum(m.shards[s].bytes for s in share)
@@ -313,7 +332,9 @@ def test_warm_batch_size_follows_the_batched_plan(node: Node) -> None:
         spec = PlanSpec(seed=3, dp_size=1, dp_rank=0, num_workers=3, batch_size=bs)
         dry = run_json(["warm", url, "--workers", "3", "--seed", "3", "--batch-size", str(bs), "--dry-run"], node.env)
         orders[bs] = [s["name"] for s in dry["shards"]]
-        assert orders[bs] == [m.shards[s].name for s in warm_order(counts, spec, [0])][:len(orders[bs])]
+        need = {m.shards[s].name: t for s, t in _first_need(counts, spec, [0]).items()}
+        times = [need[name] for name in orders[bs]]  # KeyError: a shard this plan never reads
+        assert len(times) == len(need) and times == sorted(times), "not the batched plan's first need first"
     assert orders[1] != orders[20]
 
 
@@ -450,18 +471,19 @@ def test_warm_ctrl_c_stops_promptly_and_leaves_a_consistent_cache(s3_server: Any
             break
         time.sleep(0.02)
     assert proc.poll() is None, proc.communicate()
-    t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=20)
+    out, err = proc.communicate(timeout=120)  # a hang guard; "promptly" is checked by what was fetched
     assert proc.returncode == 130, (out, err)
-    assert time.monotonic() - t0 < 15 and "interrupted" in err and "Traceback" not in err
+    assert "interrupted" in err and "Traceback" not in err
     m = load_manifest(open_store(url, node.opts))
     by_key = {m.cache_key(i): s for i, s in enumerate(m.shards)}
     with NodeCache(node.config) as c:
-        if c.reconciled is not None:  # we are alone: nothing partial or orphaned was left behind
-            assert c.reconciled["partial"] == 0 and c.reconciled["orphans"] == 0, c.reconciled
+        # the CLI has exited, so this is the cache's only process: it reconciles, and finds
+        # nothing partial or orphaned left behind (was: checked only when a report was present)
+        assert c.reconciled is not None, "the cache was still held by another process"
+        assert c.reconciled["partial"] == 0 and c.reconciled["orphans"] == 0, c.reconciled
         entries = c.entries()
-        assert 0 < len(entries) < N_SHARDS
+        assert 0 < len(entries) < N_SHARDS  # stopped long before the warm would have ended
         for key, e in entries:
             for t, rec in e.tiers.items():
                 assert hash_file(c.tiers[t].file_path(rec["file"])) == by_key[key].hash

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -57,9 +56,10 @@ def test_store_killed_mid_epoch_and_restarted_within_the_retry_window(tmp_path: 
 
         os.killpg(srv._proc.pid, signal.SIGKILL)  # the store dies mid-epoch
         srv._proc.wait(10)
+        tried = link.snapshot()["connections"]
 
-        def restart() -> None:
-            time.sleep(1.0)
+        def restart() -> None:  # once the dataset has met the dead store twice (a failure and a retry)
+            H.wait_for(lambda: link.snapshot()["connections"] >= tried + 2, 60, "the dataset to retry the dead store")
             srv.stop()
             srv.start()  # new ports, same objects
             link.retarget("127.0.0.1", srv.port)

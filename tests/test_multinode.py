@@ -6,7 +6,10 @@ own RAM and SSD directories, all reading through one metering SlowLink proxy.
   2-3 cost <= 1 % of D at the proxy, and every epoch is exactly once across all ranks;
 - elastic resume: 3 nodes, stopped mid-epoch; resumed on 2 nodes with the third node's cache gone:
   the epoch stays exactly once, and the next full epoch reads <= 1.1 x what the lost node held;
-- launchers agree: Slurm and Open MPI variables give the same node split as torchrun's.
+- launchers agree: Slurm and Open MPI variables give the same node split as torchrun's;
+- D - C under multi-process stress: 1 node x 2 ranks x 2 DataLoader workers (4 reader processes and
+  2 rank processes on one node cache), cache D / 2, the clairvoyant default, 3 epochs: epochs 2-3
+  each cost <= 1.05 x (D - C) at the proxy, every epoch exactly once, every byte checked.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import pytest
 from datacache import StreamingDataset, write_dataset
 from datacache.dist import detect
 from datacache.plan import build_plan
+from tests.helpers import faults as H
 from tools.scale_model import predict_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,24 +154,29 @@ def test_sticky_reads_two_nodes(s3_server: Any, slowlink: Any, tmp_path: Path) -
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 60)
-def test_elastic_resume_three_to_two_nodes(s3_server: Any, slowlink: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_elastic_resume_three_to_two_nodes(s3_server: Any, slowlink: Any, tmp_path: Path, workers: int) -> None:
+    """Saved in each rank's main process (rank 0's state resumed), or in each rank's 2 DataLoader
+    workers (StatefulDataLoader; every rank's state resumed), and resumed on 2 nodes."""
+    from datacache.resume import rank_state
+
     n = 3000
     url, m = _dataset(s3_server, n)
     d = m.total_bytes
     link = slowlink(bandwidth=0, latency=0.0)
     nodes = [tmp_path / f"node{k}" for k in range(3)]
-    stop = 400  # of the 1,000 samples each rank reads in epoch 1
+    stop = 400  # of the 1,000 samples each rank reads in epoch 1 (25 batches of 16 with workers)
     first = Job(tmp_path, "three", link, _base(url, s3_server, link, int(0.6 * d)), nodes, per_node=1,
-                epochs=[0, 1], stop=[1, stop])
+                epochs=[0, 1], stop=[1, stop], num_workers=workers)
     first.run()
     lost = first.stats(1, 2)["used_ram"]  # what the third node holds
     states = [json.loads((first.out / f"state_rank{r}.json").read_text()) for r in range(3)]
-    assert {json.dumps(s["consumed"]) for s in states} == {json.dumps([stop])}
+    assert [sum(rank_state(s).consumed) for s in states] == [stop] * 3
     shutil.rmtree(nodes[2])  # the third node is gone, and its cache with it
     state_path = tmp_path / "state.json"
-    state_path.write_text(json.dumps(states[0]))
+    state_path.write_text(json.dumps(states if workers else states[0]))
     resumed = Job(tmp_path, "two", link, _base(url, s3_server, link, int(0.6 * d)), nodes[:2], per_node=1,
-                  epochs=[1, 2], resume=str(state_path))
+                  epochs=[1, 2], resume=str(state_path), num_workers=workers)
     snaps = resumed.run()
     epoch1 = first.ids(1) + resumed.ids(1)
     seen = Counter(i for ids in epoch1 for i in ids)
@@ -178,6 +187,31 @@ def test_elastic_resume_three_to_two_nodes(s3_server: Any, slowlink: Any, tmp_pa
     print(f"elastic: D={d} B, lost node held {lost} B, next full epoch {next_epoch} B")
     assert next_epoch <= 1.1 * lost, f"the next full epoch read {next_epoch} B; the lost node held {lost} B"
     assert json.loads((resumed.out / "layout_rank1.json").read_text())["num_nodes"] == 2
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_one_node_four_readers_fetch_d_minus_c(s3_server: Any, slowlink: Any, tmp_path: Path) -> None:
+    """2 ranks x 2 workers share one node cache of D / 2 with the default (clairvoyant) policy:
+    the node's schedule covers all four consumers, so each epoch after the first fetches about
+    what the cache cannot hold, D - C (LRU: ~0.75 D), with no sample lost, repeated or corrupted."""
+    n, size = 1024, 3000  # 32 shards of ~96 KB: D ~ 3 MB
+    url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/"
+    m = H.write(url, s3_server.storage_options(), n, size, shard_bytes=32 * size)
+    d = m.total_bytes
+    c = d // 2
+    link = slowlink()
+    job = Job(tmp_path, "node", link, _base(url, s3_server, link, c), [tmp_path / "node0"], per_node=2,
+              epochs=[0, 1, 2], num_workers=2, payload_size=size)
+    snaps = job.run()
+    per_epoch = [snaps[0]["bytes_down"]] + [b["bytes_down"] - a["bytes_down"] for a, b in zip(snaps, snaps[1:])]
+    print(f"\none node, 2 ranks x 2 workers: D = {d} B, D - C = {d - c} B, remote bytes per epoch {per_epoch}")
+    for e in range(3):
+        _exactly_once(job.ids(e), n)
+        assert [job.stats(e, r)["bad"] for r in range(2)] == [0, 0], f"epoch {e}: samples with wrong bytes"
+    assert job.ids(0) != job.ids(1), "epochs do not reshuffle"
+    assert d <= per_epoch[0] <= 1.05 * d
+    for e in (1, 2):
+        assert per_epoch[e] <= 1.05 * (d - c), f"epoch {e + 1} read {per_epoch[e]} B; D - C = {d - c} B"
 
 
 def _launcher_envs(rank: int, nodes: int, per_node: int) -> dict[str, dict[str, str]]:

@@ -11,6 +11,7 @@ import pytest
 
 from datacache import CacheConfig, PrefetchConfig, StreamingDataset, write_dataset
 from datacache.prefetch import Prefetcher
+from tests.helpers import faults as H
 
 
 def test_results_come_in_order_whatever_the_completion_order() -> None:
@@ -64,8 +65,14 @@ def test_waiting_consumer_raises_concurrency_and_calm_one_lowers_it() -> None:
         return i
 
     slow = Prefetcher(range(12), held, size_of=lambda i: 1, config=cfg)
+
+    def release_once_waited(i: int) -> None:
+        H.wait_for(lambda: slow._ready._waiters, 30, f"the consumer to wait for item {i}")  # a hang guard
+        time.sleep(0.005)  # the consumer is blocked: it waits at least this long (a wait is > 1 ms)
+        gates[i].set()
+
     for i in range(12):
-        threading.Timer(0.005, gates[i].set).start()
+        threading.Thread(target=release_once_waited, args=(i,), name=f"tgate-{i}").start()
         assert slow.take() == i
     assert slow.waits > 0 and slow.active_threads > 1 and slow.lookahead > 2
     ready = [threading.Event() for _ in range(200)]
@@ -76,9 +83,12 @@ def test_waiting_consumer_raises_concurrency_and_calm_one_lowers_it() -> None:
 
     fast = Prefetcher(range(200), instant, size_of=lambda i: 1, config=cfg)
     fast._active, fast.lookahead = 6, 20  # as if it had grown
-    for i in range(200):
-        assert ready[i].wait(10)  # the consumer is the bottleneck: its next result is always ready
+    for i in range(200):  # the consumer is the bottleneck: its next result is stored before it asks
+        assert ready[i].wait(10)
+        with fast._ready:
+            assert fast._ready.wait_for(lambda: i in fast._results, 10)
         assert fast.take() == i
+    assert fast.waits == 0
     assert fast.active_threads == cfg.threads and fast.lookahead == cfg.lookahead_bytes
     slow.close()
     fast.close()
@@ -133,19 +143,26 @@ def test_close_is_idempotent_releases_results_and_never_hangs() -> None:
 
 @pytest.mark.timeout(120)
 def test_consumer_slower_than_its_link_waits_only_for_the_first_shard(tmp_path, s3_server, slowlink) -> None:
-    """The link (100 MB/s) is ~10x faster than consumption: after the first shard, no wait."""
+    """The prefetcher runs ahead of a slow consumer on its own: while the consumer still reads shard
+    ``j``, shard ``j + 1`` crosses the link, so only the first shard is waited for. Counted in bytes
+    at the proxy (was: zero waits by the clock, with a 2 ms sleep per sample as the slow consumer)."""
     url = f"s3://{s3_server.bucket}/prefetch-{tmp_path.name}/"
-    samples = ({"i": i, "x": np.zeros(16_000, np.uint8)} for i in range(640))
+    rng = np.random.default_rng(0)  # incompressible: ~1 MB shards
+    samples = ({"i": i, "x": rng.integers(0, 256, 16_000, dtype=np.uint8)} for i in range(640))
     m = write_dataset(samples, url, storage_options=s3_server.storage_options(), shard_bytes=1_000_000, progress=False)
     link = slowlink(bandwidth=100e6, latency=0.002)
     cfg = CacheConfig(ram_bytes="64MB", ssd_bytes=0, ram_dir=str(tmp_path / "ram"), ssd_dir=str(tmp_path / "ssd"))
     ds = StreamingDataset(url, storage_options=s3_server.storage_options(link.endpoint_url), cache=cfg, shuffle=False)
-    it = iter(ds)
-    next(it)
-    first_waits = ds._consumer.decoder.waits
-    for _ in it:
-        time.sleep(0.002)  # 2 ms per 16 KB sample: 8 MB/s of consumption against 100 MB/s of link
-    assert first_waits <= 1
-    assert ds.stats()["waits"] == first_waits  # the epoch's waits, flushed at its end: none after the first
-    assert link.bytes_down >= m.total_bytes
+    assert len(m.shards) >= 8
+    ends = np.cumsum([s.samples for s in m.shards])  # the consumer is in shard j until sample ends[j]
+    through = np.cumsum([s.bytes for s in m.shards])  # bytes of shards 0..j
+    base = link.bytes_down  # the manifest
+    got = []
+    for sample in ds:
+        j = int(np.searchsorted(ends, len(got), side="right"))
+        if j + 1 < len(m.shards):  # a slow consumer: it stays in shard j until shard j + 1 has arrived
+            H.wait_for(lambda: link.bytes_down - base >= through[j + 1], 60, f"shard {j + 1} while reading shard {j}")
+        got.append(int(sample["i"]))
+    assert got == list(range(640))
+    assert m.total_bytes <= link.bytes_down - base <= 1.05 * m.total_bytes
     ds.close()

@@ -1,5 +1,7 @@
 """Resuming StreamingDataset: exact order at any midpoint, across epochs, elastic N -> M world
-sizes, and through torchdata's StatefulDataLoader. All checks go through tests.helpers.resume.check_resume."""
+sizes, and through torchdata's StatefulDataLoader. All checks go through tests.helpers.resume:
+each property is checked with states saved in the main process and with states saved in
+DataLoader workers (StatefulDataLoader, 2 workers) and by several ranks (issue 17.5)."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 
 from datacache import NodeCache, StreamingDataset, write_dataset
-from tests.helpers.resume import check_resume
+from tests.helpers.resume import Stage, check_exactly_once, check_resume
 
 N = 400
 
@@ -28,18 +30,36 @@ def factory(url: str, cache: NodeCache, **kw: Any):
     return make_ds
 
 
+def workers(batch_size: int | None = 8):
+    """The loader that saves in its DataLoader workers: StatefulDataLoader with 2 workers."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return lambda ds: StatefulDataLoader(ds, num_workers=2, batch_size=batch_size)
+
+
+SAVED_IN = ["main", "workers"]
+
+
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_resume_single_process_midpoints(dataset_url: str, cache: NodeCache, shuffle: bool) -> None:
     ref = check_resume(factory(dataset_url, cache, shuffle=shuffle), [0, 1, N // 2, 137, N - 1, N, (150, 0, 1, 100)], epoch=2)
     assert sorted(ref) == list(range(N))
 
 
-def test_resume_small_window(dataset_url: str, cache: NodeCache) -> None:
-    check_resume(factory(dataset_url, cache, window=1), [1, 39, 250, N - 1])
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("saved_in", SAVED_IN)
+def test_resume_small_window(dataset_url: str, cache: NodeCache, saved_in: str) -> None:
+    if saved_in == "main":
+        check_resume(factory(dataset_url, cache, window=1), [1, 39, 250, N - 1])
+    else:  # in batches of 8 (50 of them), from the workers
+        check_resume(factory(dataset_url, cache, window=1), [1, 5, 31, 49], make_loader=workers())
 
 
-def test_resume_batched_dataset(dataset_url: str, cache: NodeCache) -> None:
-    ref = check_resume(factory(dataset_url, cache, batch_size=8), [0, 3, 49, 50])
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("saved_in", SAVED_IN)
+def test_resume_batched_dataset(dataset_url: str, cache: NodeCache, saved_in: str) -> None:
+    loader = None if saved_in == "main" else workers(batch_size=None)
+    ref = check_resume(factory(dataset_url, cache, batch_size=8), [0, 3, 49, 50, (2, 1, 30)], make_loader=loader)
     assert len(ref) == 50 and sorted(i for b in ref for i in b) == list(range(N))
 
 
@@ -50,27 +70,50 @@ def test_resume_into_next_epoch(dataset_url: str, cache: NodeCache) -> None:
     check_resume(factory(dataset_url, cache), [100], epoch=0, then_epoch=1)
 
 
-def test_resume_keeps_rank(dataset_url: str, cache: NodeCache) -> None:
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("saved_in", SAVED_IN)
+def test_resume_keeps_rank(dataset_url: str, cache: NodeCache, saved_in: str) -> None:
     make = factory(dataset_url, cache)
-    check_resume(lambda **_: make(dp_rank=1, dp_size=3), [0, 66, 133])
+    if saved_in == "main":
+        check_resume(lambda **_: make(dp_rank=1, dp_size=3), [0, 66, 133])
+    else:  # 134 samples of rank 1 in batches of 8: 17 batches
+        check_resume(lambda **_: make(dp_rank=1, dp_size=3), [0, 8, 16, (3, 1, 5)], make_loader=workers())
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("saved_in", SAVED_IN)
 @pytest.mark.parametrize("world", [(2, 3), (3, 2), (4, 1), (1, 2), (2, 3, 4)])
-def test_resume_elastic(dataset_url: str, cache: NodeCache, world: tuple[int, ...]) -> None:
-    reads = [37, 21][: len(world) - 1]
-    seen = check_resume(factory(dataset_url, cache), reads, world=world, epoch=1)
-    # every sample once, plus the last plan's padding (counted exactly by the helper)
+def test_resume_elastic(dataset_url: str, cache: NodeCache, world: tuple[int, ...], saved_in: str) -> None:
+    if saved_in == "main":  # the ranks iterate their datasets; rank 0's state is resumed
+        reads = [37, 21][: len(world) - 1]
+        seen = check_resume(factory(dataset_url, cache), reads, world=world, epoch=1)
+    else:  # every rank reads through 2 workers, saves its loader's state; all of them are resumed
+        stages = [Stage(size, 2, batches) for size, batches in zip(world[:-1], (4, 2))] + [Stage(world[-1], 2)]
+        seen = check_exactly_once(factory(dataset_url, cache), stages, epoch=1, loader_batch=8)
+    # every sample once, plus the last plan's padding (counted exactly by the helpers)
     assert set(seen) == set(range(N)) and len(seen) - N < world[-1]
 
 
 @pytest.mark.timeout(120)
-def test_resume_elastic_into_dataloader_workers(dataset_url: str, cache: NodeCache) -> None:
-    """A single-process state resumed by 2 ranks that each read through 2 DataLoader workers."""
+@pytest.mark.parametrize("saved_in", SAVED_IN)
+def test_resume_elastic_into_dataloader_workers(dataset_url: str, cache: NodeCache, saved_in: str) -> None:
+    """A 3-rank state resumed by 2 ranks that each read through 2 DataLoader workers."""
     from torch.utils.data import DataLoader
 
-    seen = check_resume(factory(dataset_url, cache), [45], world=(3, 2), epoch=0,
-                        make_loader=lambda ds: DataLoader(ds, batch_size=None, num_workers=2))
+    if saved_in == "main":
+        seen = check_resume(factory(dataset_url, cache), [45], world=(3, 2), epoch=0,
+                            make_loader=lambda ds: DataLoader(ds, batch_size=None, num_workers=2))
+    else:  # saved by 3 ranks in their workers after 3 batches of 8
+        seen = check_exactly_once(factory(dataset_url, cache), [Stage(3, 2, 3), Stage(2, 2)], loader_batch=8)
     assert set(seen) == set(range(N)) and len(seen) - N < 2
+
+
+@pytest.mark.timeout(120)
+def test_resume_elastic_then_same_world_from_workers(dataset_url: str, cache: NodeCache) -> None:
+    """As below, saved in DataLoader workers: 2 ranks -> 1 rank (elastic) -> the same layout,
+    resumed from its own loader state; exactly once only if the elastic chain is kept."""
+    check_exactly_once(factory(dataset_url, cache), [Stage(2, 2, 3), Stage(1, 2, 6), Stage(1, 2, load="loader")],
+                       loader_batch=8)
 
 
 def test_resume_elastic_then_same_world(dataset_url: str, cache: NodeCache) -> None:
@@ -107,11 +150,7 @@ def test_state_dict_rejects_other_dataset_or_seed(dataset_url: str, cache: NodeC
 
 @pytest.mark.timeout(120)
 def test_resume_stateful_dataloader(dataset_url: str, cache: NodeCache) -> None:
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    def loader(ds: StreamingDataset) -> StatefulDataLoader:
-        return StatefulDataLoader(ds, num_workers=2, batch_size=8)
-
+    loader = workers()
     # 400 samples -> 200 per worker -> 25 batches each, interleaved. (3, 1, 20): resumed twice, the
     # second time after one batch, i.e. before the other worker delivered a batch since the resume
     ref = check_resume(factory(dataset_url, cache), [0, 7, 50, (3, 1, 20)], make_loader=loader)

@@ -1,8 +1,8 @@
 """PrioritySlots: never more than n holders; waiters admitted lowest priority first."""
 import threading
-import time
 
 from datacache._slots import PrioritySlots
+from tests.helpers.faults import wait_for
 
 
 def test_priority_order_and_bound() -> None:
@@ -27,13 +27,11 @@ def test_priority_order_and_bound() -> None:
     blockers = [threading.Thread(target=hold, args=(-1, True), name=f"blocker-{i}") for i in range(2)]
     for t in blockers:
         t.start()
-    while len(order) < 2:
-        time.sleep(0.001)
+    wait_for(lambda: len(order) >= 2, 30, "both blockers inside")
     waiters = [threading.Thread(target=hold, args=(p, False), name=f"waiter-{p}") for p in (5, 3, 9, 1, 7)]
     for t in waiters:
         t.start()
-    while len(slots._waiting) < 5:  # every waiter is queued behind the blockers
-        time.sleep(0.001)
+    wait_for(lambda: len(slots._waiting) >= 5, 30, "every waiter queued behind the blockers")
     gate.set()
     for t in blockers + waiters:
         t.join(10)

@@ -2,10 +2,14 @@
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) set by the test, reading through its node's cache.
 
 Reads a JSON config (argv[1]): url, storage_options, ram_dir, ssd_dir, ram_bytes, ssd_bytes, seed,
-epochs (list), num_workers, out_dir; optional resume (path of a state to load before the first
-epoch) and stop ([epoch, n]: stop that epoch after n samples and save ``state_dict()`` to
-``out_dir/state_rank{r}.json``; needs num_workers=0). Per epoch it writes the sample ids it got to
-``out_dir/epoch{e}_rank{r}.json`` and its node cache's stats to ``stats{e}_rank{r}.json``, then
+epochs (list), num_workers, out_dir; optional resume (path of a state, or of a list of every old
+rank's state, to load before the first epoch) and stop ([epoch, n]: stop that epoch after n samples
+and save the state to ``out_dir/state_rank{r}.json``: the dataset's ``state_dict()`` with
+num_workers=0, else that of a StatefulDataLoader, saved in its workers; n a multiple of 16 then) and
+payload_size (samples are
+``tests.helpers.faults`` samples: check every sample's bytes). Per epoch it writes the sample ids it
+got to ``out_dir/epoch{e}_rank{r}.json`` and its node cache's stats to ``stats{e}_rank{r}.json``
+(with ``bad``: the samples whose bytes were wrong), then
 waits for the test's ``go{e}`` file (so the test reads the proxy's counters between epochs).
 """
 from __future__ import annotations
@@ -16,8 +20,10 @@ import sys
 import time
 
 from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from datacache import CacheConfig, StreamingDataset
+from tests.helpers.faults import payload
 
 
 def _write(path: str, value: object) -> None:
@@ -25,6 +31,14 @@ def _write(path: str, value: object) -> None:
     with open(tmp, "w") as f:
         json.dump(value, f)
     os.replace(tmp, path)
+
+
+def _wrong(batch: dict, size: int | None) -> int:
+    """How many samples of ``batch`` (lists of ``i`` and ``data``) carry other bytes than their
+    payload; 0 without ``size`` (samples of another kind)."""
+    if not size:
+        return 0
+    return sum(bytes(d) != payload(int(i), size) for i, d in zip(batch["i"], batch["data"]))
 
 
 def _wait(path: str) -> None:
@@ -51,17 +65,27 @@ def main() -> int:
     for epoch in cfg["epochs"]:
         ds.set_epoch(epoch)  # keeps a loaded state of the same epoch
         ids: list[int] = []
+        bad = 0
+        size = cfg.get("payload_size")
+        stopping = epoch == stop_epoch
         if cfg["num_workers"]:
-            for batch in DataLoader(ds, batch_size=16, num_workers=cfg["num_workers"]):
+            loader = (StatefulDataLoader if stopping else DataLoader)(ds, batch_size=16, num_workers=cfg["num_workers"])
+            for batch in loader:
                 ids += batch["i"].tolist()
+                bad += _wrong(batch, size)
+                if stopping and len(ids) >= stop_after:
+                    _write(os.path.join(out, f"state_rank{rank}.json"), loader.state_dict())
+                    break
+            del loader
         else:
             for sample in ds:
                 ids.append(int(sample["i"]))
-                if epoch == stop_epoch and len(ids) == stop_after:
+                bad += _wrong({"i": [sample["i"]], "data": [sample.get("data")]}, size)
+                if stopping and len(ids) == stop_after:
                     _write(os.path.join(out, f"state_rank{rank}.json"), ds.state_dict())
                     break
         _write(os.path.join(out, f"epoch{epoch}_rank{rank}.json"), ids)
-        stats = {k: v for k, v in ds.stats().items() if isinstance(v, (int, float))}
+        stats = {**{k: v for k, v in ds.stats().items() if isinstance(v, (int, float))}, "bad": bad}
         _write(os.path.join(out, f"stats{epoch}_rank{rank}.json"), stats)
         _wait(os.path.join(out, f"go{epoch}"))
     ds.close()
