@@ -12,6 +12,7 @@ import tempfile
 import threading
 from typing import Any
 
+from .errors import CacheError
 from .tiers import Tier, ensure_private_dir, remove_if_exists, unlock_close
 
 __all__ = ["CacheHandle", "PassDir"]
@@ -72,6 +73,11 @@ class CacheHandle:
         return f"CacheHandle({self.key!r}, tier={self.tier!r}, size={self.size})"
 
 
+def fallback_bases() -> tuple[str, ...]:
+    """File systems tried, in order, for pass-through copies after ENOSPC."""
+    return ("/dev/shm", tempfile.gettempdir())
+
+
 class PassDir:
     """Where pass-through copies are written: the fastest enabled tier's data directory, else a
     private ``pass`` directory beside the index; after ENOSPC there, a private directory on another
@@ -88,7 +94,7 @@ class PassDir:
         with self._lock:
             if self.path != failed_dir:
                 return True
-            for base in ("/dev/shm", tempfile.gettempdir()):
+            for base in fallback_bases():
                 path = os.path.join(base, f"datacache-pass-{os.getuid()}")
                 if not os.path.isdir(base) or os.path.realpath(path) == os.path.realpath(self.path):
                     continue
@@ -96,7 +102,7 @@ class PassDir:
                     continue
                 try:
                     self.path = ensure_private_dir(path)
-                except OSError:
+                except (OSError, CacheError):  # e.g. another user made it first (/dev/shm is world-writable)
                     continue
                 log.warning("datacache: no space for pass-through copies (%s); using %s and continuing", exc, path)
                 return True

@@ -476,6 +476,24 @@ def test_cache_dir_owned_by_another_user_is_refused(dirs, which):
     assert dirs[which] in str(ei.value) and f"uid {owner}," in str(ei.value)
 
 
+def test_pass_through_fallback_owned_by_another_user_is_skipped(tmp_path, monkeypatch):
+    """After ENOSPC, a fallback pass directory that another user made first (``/dev/shm`` is
+    world-writable) is skipped for the next file system, not raised."""
+    import errno
+
+    from datacache import _handle
+
+    taken, free = tmp_path / "shm", tmp_path / "tmp"
+    (taken / f"datacache-pass-{os.getuid()}").mkdir(parents=True)
+    free.mkdir()
+    give_away(taken / f"datacache-pass-{os.getuid()}")
+    monkeypatch.setattr(_handle, "fallback_bases", lambda: (str(taken), str(free)))
+    pd = _handle.PassDir([], str(tmp_path / "control"))
+    pd.path = str(tmp_path / "gone")  # the full file system (not there any more: no st_dev check)
+    assert pd.move_after(pd.path, OSError(errno.ENOSPC, "No space left on device"))
+    assert pd.path == str(free / f"datacache-pass-{os.getuid()}")
+
+
 def test_cache_dirs_are_private(dirs):
     os.makedirs(dirs["ssd"], mode=0o755)
     os.chmod(dirs["ssd"], 0o755)  # an existing, too open directory is tightened
