@@ -83,7 +83,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from datacache.config import parse_size  # noqa: E402
-from tools import bench_report  # noqa: E402
+from tools import bench_nodes, bench_report  # noqa: E402
 from tools.bench_launch import Meter, launch, memcpy_rate  # noqa: E402
 from tools.bench_text import describe_run  # noqa: E402
 from tools.bench_quality import pooled  # noqa: E402
@@ -251,6 +251,8 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
         why = {"unavailable": info["unavailable"]} if "unavailable" in info else \
             {"error": f"writing the dataset: {info.get('error')}"}
         return [{**base, **why}]
+    if sc.get("nodes", 1) > 1 and bench_nodes.unavailable(system):
+        return [{**base, "unavailable": bench_nodes.unavailable(system)}]
     sc = dict(sc)
     D = info["bytes"]
     dc_D = ctx["datasets"][f"datacache/{sc['dataset']}"].get("bytes", D)
@@ -299,6 +301,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
             suffix = f"-node{k}" if sc.get("nodes", 1) > 1 else ""
             shutil.rmtree(cache_dir + suffix, ignore_errors=True)
             shutil.rmtree(spec["ssd_dir"] + suffix, ignore_errors=True)
+            shutil.rmtree(f"{path}.node{k}.tmp", ignore_errors=True)
     run_bytes = link.snapshot()["bytes_down"]
     if "records" not in res:
         return [{**base, **({"unavailable": res["unavailable"]} if "unavailable" in res else {"error": res["error"]})}]
@@ -390,7 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     run = describe_run(vars(a), command)
     with open(os.path.join(a.out, "run.json"), "w") as f:
         json.dump(run, f, indent=1)
-    print("\n" + bench_report.write_report(a.out, records, run=run))
+    text = bench_report.write_report(a.out, records, run=run)
+    nodes = bench_nodes.report(records)
+    if nodes:
+        with open(os.path.join(a.out, "results.md"), "a") as f:
+            f.write("\n" + nodes)
+    print("\n" + text + ("\n" + nodes if nodes else ""))
     if a.readme:
         publish(a.out, a.readme)
     return 0

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from tools import bench_nodes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(ROOT, "tools", "bench_systems.py")
 
@@ -97,13 +99,10 @@ def launch(cmd: str, spec: dict[str, Any], path: str, timeout: float, ranks: int
     for p in [path] + [f"{path}.rank{r}" for r in range(ranks)]:
         if os.path.exists(p):
             os.unlink(p)
-    port = str(_free_port())
-    node_env = [{}] if nodes == 1 else [
-        {"RANK": str(k), "WORLD_SIZE": str(nodes), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "BENCH_NODE": str(k),
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for k in range(nodes)]
+    runs = [(argv, {})] if nodes == 1 else bench_nodes.node_processes(argv, nodes, _free_port(), path)
     with open(path + ".log", "wb") as log:
-        procs = [subprocess.Popen(argv, cwd=ROOT, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True) for extra in node_env]
+        procs = [subprocess.Popen(cmd, cwd=ROOT, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True) for cmd, extra in runs]
         deadline, rc = time.monotonic() + timeout, 0
         for proc in procs:
             try:

@@ -67,6 +67,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tools import bench_nodes  # noqa: E402
 from tools.bench_quality import BatchQuality  # noqa: E402
 from tools.bench_write import _s3fs, write  # noqa: E402
 
@@ -165,6 +166,7 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
                       shuffle_block_size=DEFAULT_WINDOW * spec["samples_per_shard"])
         if C:
             kw["cache_limit"] = C
+        kw.update(bench_nodes.loader_kwargs(system, sc))
         ds = streaming.StreamingDataset(remote=spec["url"], local=os.path.join(cache_dir, "local"), shuffle=True,
                                         shuffle_seed=0, batch_size=bs, **kw)
         for stream in ds.streams:  # fork safety, see the module docstring
