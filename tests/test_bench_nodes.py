@@ -1,0 +1,54 @@
+"""The simulated nodes of the benchmark's nodes scenario (tools/bench_nodes.py): each node process
+has its own /dev/shm and temp directory, as a separate host has, and the report puts every
+system's per-epoch figures side by side (or says why a system did not run)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools import bench_nodes  # noqa: E402
+
+# Each node writes a marker into /dev/shm and its TMPDIR, then lists what it sees there.
+_PROBE = ("import os, sys; k = os.environ['BENCH_NODE']; "
+          "open(f'/dev/shm/dcbench-probe-{k}', 'w').close(); open(os.path.join(os.environ['TMPDIR'], 'p'), 'w').close(); "
+          "print(k, os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['NNODES'], os.environ['TMPDIR'], "
+          "sorted(f for f in os.listdir('/dev/shm') if f.startswith('dcbench-probe-')))")
+
+
+@pytest.mark.timeout(60)
+def test_simulated_nodes_do_not_share_dev_shm(tmp_path: Path) -> None:
+    wrap, why = bench_nodes.isolation()
+    if wrap is None:
+        pytest.skip(f"no mount namespace here ({why}); the bench then reports Streaming unavailable")
+    seen = []
+    for argv, env in bench_nodes.node_processes([sys.executable, "-c", _PROBE], 2, 12345, str(tmp_path / "run")):
+        out = subprocess.run(argv, env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=50)
+        assert out.returncode == 0, out.stderr
+        seen.append(out.stdout.strip().split(maxsplit=5))
+    assert [s[:4] for s in seen] == [["0", "0", "2", "2"], ["1", "1", "2", "2"]]
+    assert seen[0][4] != seen[1][4]  # a temp directory per node (Streaming's file locks)
+    assert seen[0][5] == "['dcbench-probe-0']" and seen[1][5] == "['dcbench-probe-1']"  # node 1 does not see node 0's
+    assert not list(Path("/dev/shm").glob("dcbench-probe-*"))  # nor does the host
+    assert bench_nodes.unavailable("streaming") is None
+    assert bench_nodes.loader_kwargs("streaming", {"nodes": 4}) == {"num_canonical_nodes": 4}
+
+
+def _epoch(system: str, e: int, remote: float, wall: float) -> dict:
+    return {"scenario": "nodes", "system": system, "rep": 0, "epoch": e, "nodes": 4, "wall": wall,
+            "own_wall": wall, "remote_bytes": remote, "bandwidth": 50e6, "rank_own_walls": [wall - 1, wall],
+            "link_timeline": [(0.25, 0), (0.5, 1e6)]}
+
+
+def test_nodes_report_side_by_side_and_why_not() -> None:
+    recs = [_epoch("datacache", e, b, w) for e, (b, w) in enumerate([(500e6, 11.0), (0, 1.5), (0, 1.4)])]
+    recs += [{"scenario": "nodes", "system": "streaming", "rep": 0, "unavailable": "several Streaming nodes x"}]
+    text = bench_nodes.report(recs)
+    assert "| datacache | 500.0 / 0.0 / 0.0 | 11.0 / 1.5 / 1.4 | 10.00 | 1.00-1.10 | 0.50 |" in text
+    assert "| streaming | several Streaming nodes x |" in text
+    assert bench_nodes.report([{**recs[0], "scenario": "cold"}]) == ""
