@@ -29,8 +29,10 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
   seconds (every request answered 503 SlowDown, open connections cut: ``SlowLink.throttle``):
   wall time, requests answered 503, every sample exactly once.
 - nodes: ``--nodes`` (4) simulated nodes, each one rank process (gloo) x 2 workers with its own
-  cache of 0.3 D, 3 epochs: remote bytes per epoch for all nodes together, against the bytes
-  ``tools/scale_model.predict_bytes`` predicts from the plan (datacache's default node placement).
+  cache of 0.3 D, 3 epochs, every system (each node has its own ``/dev/shm`` and ``TMPDIR``;
+  Streaming gets ``num_canonical_nodes``, LitData ``NNODES``: ``tools/bench_nodes.py``): remote
+  bytes and wall per epoch for all nodes together, each node's cold epoch against the link bound,
+  and datacache's bytes against those ``tools/scale_model.predict_bytes`` predicts from the plan.
 - shuffle: a cold epoch from an empty cache, then a warm epoch from the cache it filled, every
   system side by side: shuffle quality (overall, and per 5 % of the cold epoch), first-batch time,
   wall time and remote bytes of each epoch (its own table in the report).
