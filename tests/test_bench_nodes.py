@@ -52,3 +52,15 @@ def test_nodes_report_side_by_side_and_why_not() -> None:
     assert "| datacache | 500.0 / 0.0 / 0.0 | 11.0 / 1.5 / 1.4 | 10.00 | 1.00-1.10 | 0.50 |" in text
     assert "| streaming | several Streaming nodes x |" in text
     assert bench_nodes.report([{**recs[0], "scenario": "cold"}]) == ""
+
+
+@pytest.mark.timeout(60)
+def test_each_node_writes_its_own_profile_and_they_are_joined(tmp_path: Path) -> None:
+    """``--profile nodes``: a profiler's ``-o FILE`` becomes one file per node, joined after the run."""
+    out = tmp_path / "profile.pyspy.txt"
+    write = "import os, sys; open(sys.argv[sys.argv.index('-o') + 1], 'w').write(f\"stack;{os.environ['BENCH_NODE']} 3\\n\")"
+    argv = [sys.executable, "-c", write, "-o", str(out)]
+    for cmd, env in bench_nodes.node_processes(argv, 2, 12345, str(tmp_path / "run")):
+        subprocess.run(cmd, env={"PATH": "/usr/bin:/bin", **env}, check=True, timeout=50)
+    bench_nodes.merge_outputs(argv, 2)
+    assert out.read_text() == "stack;0 3\nstack;1 3\n" and not list(tmp_path.glob("profile.pyspy.txt.node*"))

@@ -116,6 +116,8 @@ def launch(cmd: str, spec: dict[str, Any], path: str, timeout: float, ranks: int
             except ProcessLookupError:
                 pass
             proc.wait()
+        if nodes > 1:
+            bench_nodes.merge_outputs(argv, nodes)
         if rc is None:
             return {"error": f"timed out after {timeout:.0f} s (log: {path}.log)"}
     outs = [path] if ranks == 1 else [f"{path}.rank{r}" for r in range(ranks)]

@@ -59,8 +59,31 @@ def node_processes(argv: list[str], nodes: int, port: int, path: str) -> list[tu
         env = {"RANK": str(k), "WORLD_SIZE": str(nodes), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                "BENCH_NODE": str(k), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TMPDIR": tmp,
                "NNODES": str(nodes), "BENCH_NODE_SHM": "private" if wrap else "shared"}
-        out.append(((wrap or []) + argv, env))
+        out.append(((wrap or []) + _own_output(argv, k), env))
     return out
+
+
+def _own_output(argv: list[str], k: int) -> list[str]:
+    """``argv`` with a profiler's ``-o FILE`` (py-spy, see ``tools/bench.py --profile``) made
+    ``FILE.node<k>``, so the nodes do not write one file; ``merge_outputs`` joins them after."""
+    if "-o" not in argv[:-1]:
+        return argv
+    i = argv.index("-o") + 1
+    return argv[:i] + [f"{argv[i]}.node{k}"] + argv[i + 1:]
+
+
+def merge_outputs(argv: list[str], nodes: int) -> None:
+    """Concatenate the nodes' ``FILE.node<k>`` profiler outputs (py-spy's raw format: one stack and
+    its count a line, so the sum is a concatenation) into ``FILE``."""
+    if "-o" not in argv[:-1]:
+        return
+    path = argv[argv.index("-o") + 1]
+    with open(path, "w") as out:
+        for k in range(nodes):
+            if os.path.exists(f"{path}.node{k}"):
+                with open(f"{path}.node{k}") as f:
+                    out.write(f.read())
+                os.unlink(f"{path}.node{k}")
 
 
 def unavailable(system: str) -> str | None:

@@ -331,6 +331,8 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     node = os.environ.get("BENCH_NODE")
     if node is not None:  # a simulated node of the nodes scenario: its own cache directories
         spec = {**spec, "cache_dir": f"{spec['cache_dir']}-node{node}", "ssd_dir": f"{spec['ssd_dir']}-node{node}"}
+        if spec.get("profile") and node != "0":  # node 0's pyinstrument report keeps the name bench.py reads
+            spec["profile"] += f".node{node}"
     barrier: Callable[[], None] = lambda: None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
