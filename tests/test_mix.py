@@ -1,0 +1,171 @@
+"""Several datasets in one StreamingDataset (datacache.Stream): weights, exact per-epoch counts,
+the three batching modes, bad input, and the node cache knowing every stream's plan. Streams live
+on the session's S3 server (tests/conftest.py, tests/helpers/mix.py)."""
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from fractions import Fraction
+from typing import Any
+
+import pytest
+from torch.utils.data import DataLoader
+
+from datacache import Manifest, NodeCache, Stream, StreamingDataset, open_store
+from datacache.streams import draw_counts, largest_remainder
+from tests.helpers.mix import B, DRAWS, EPOCH, SIZES, check_epoch, stream_of, streams, write_stream, write_streams
+
+
+@pytest.fixture(scope="module")
+def stream_urls(s3_server: Any) -> list[str]:
+    return write_streams(s3_server)
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def test_proportions_keep_the_sum_by_largest_remainder() -> None:
+    s = [Stream(f"s3://b/{n}", proportion=p) for n, p in (("a", 0.7), ("b", 0.2), ("c", 0.1))]
+    assert draw_counts(s, [100, 50, 10], 1001) == [701, 200, 100]
+    assert sum(draw_counts(s, [100, 50, 10], 7)) == 7
+    # relative: only the ratio counts; epoch_size defaults to the streams' sizes summed
+    assert draw_counts([Stream("s3://b/a", proportion=3), Stream("s3://b/b", proportion=1)], [10, 30], None) == [30, 10]
+    assert largest_remainder([Fraction(1, 3)] * 3, 10) == [4, 3, 3]
+
+
+def test_absolute_weights_and_the_union() -> None:
+    s = [Stream("s3://b/a", repeat=2.5), Stream("s3://b/b", choose=7)]
+    assert draw_counts(s, [10, 50], None) == [25, 7]
+    assert draw_counts(s, [10, 50], 64) == [50, 14]  # an explicit epoch_size scales them, ratio kept
+    assert draw_counts([Stream("s3://b/a"), Stream("s3://b/b")], [10, 50], None) == [10, 50]  # no weights
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: [Stream("s3://b/a", proportion=0.5), Stream("s3://b/b", repeat=2)], "stream s3://b/b: repeat .*mixed"),
+    (lambda: [Stream("s3://b/a", proportion=0.5), Stream("s3://b/b")], "stream s3://b/b: no weight .*mixed"),
+    (lambda: [Stream("s3://b/a", proportion=0.5, repeat=1)], "stream s3://b/a: proportion and repeat"),
+    (lambda: [Stream("s3://b/a", proportion=0)], "stream s3://b/a: proportion=0"),
+    (lambda: [Stream("s3://b/a", repeat=-1.0)], "stream s3://b/a: repeat=-1.0"),
+    (lambda: [Stream("s3://b/a", choose=2.5)], r"stream s3://b/a: choose=2.5, expected an int"),
+    (lambda: [Stream("s3://b/a"), Stream("s3://b/a/")], "stream s3://b/a/: the same URL"),
+])
+def test_bad_weights_name_the_stream(make: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        draw_counts(make(), [10, 10], None)
+
+
+# ---------------------------------------------------------------------------------------------- counts
+def read_epoch(make: Any, dp_size: int, epoch: int, num_workers: int = 2) -> list[list[list[int]]]:
+    """Every rank's batches of ``epoch`` (ids), each rank read through a DataLoader with workers."""
+    out = []
+    for r in range(dp_size):
+        ds = make(dp_rank=r, dp_size=dp_size)
+        ds.set_epoch(epoch)
+        batches = [b["i"].tolist() for b in DataLoader(ds, batch_size=None, num_workers=num_workers)]
+        assert len(batches) == len(ds), "len() is the batches a rank yields"
+        out.append(batches)
+        ds.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batching", ["random", "stratified", "per_stream"])
+def test_exact_counts_every_epoch(stream_urls: list[str], s3_storage_options: dict[str, Any], cache: NodeCache,
+                                  batching: str) -> None:
+    def make(**kw: Any) -> StreamingDataset:
+        return StreamingDataset(streams=streams(stream_urls, s3_storage_options), epoch_size=EPOCH, batch_size=B,
+                                batching=batching, cache=cache, seed=5, **kw)
+
+    subsets = []
+    for epoch in range(3):
+        ranks = read_epoch(make, 2, epoch)
+        per = check_epoch([i for rank in ranks for b in rank for i in b])
+        subsets.append({i for i in per if stream_of(i) == 0})
+        for rank in ranks:
+            for b in rank:
+                got = Counter(stream_of(i) for i in b)
+                if batching == "stratified":  # every batch of every rank: each stream's share within one
+                    for s, d in enumerate(DRAWS):
+                        assert abs(got[s] - len(b) * d / EPOCH) < 1, f"batch {b}: {dict(got)}"
+                elif batching == "per_stream":
+                    assert len(got) == 1, f"a per_stream batch mixes streams: {dict(got)}"
+    assert subsets[0] != subsets[1] != subsets[2], "sampling='balanced' draws a new subset each epoch"
+
+
+@pytest.mark.timeout(120)
+def test_fixed_sampling_keeps_the_subset(stream_urls: list[str], s3_storage_options: dict[str, Any],
+                                         cache: NodeCache) -> None:
+    def make(**kw: Any) -> StreamingDataset:
+        return StreamingDataset(streams=streams(stream_urls, s3_storage_options), epoch_size=EPOCH, batch_size=B,
+                                sampling="fixed", cache=cache, seed=5, **kw)
+
+    subsets = []
+    for epoch in range(2):
+        ids = [i for rank in read_epoch(make, 1, epoch, num_workers=0) for b in rank for i in b]
+        check_epoch(ids)
+        subsets.append(sorted(i for i in ids if stream_of(i) == 0))
+    assert subsets[0] == subsets[1]
+
+
+@pytest.mark.timeout(120)
+def test_union_without_weights(stream_urls: list[str], s3_storage_options: dict[str, Any], cache: NodeCache) -> None:
+    ds = StreamingDataset(streams=[Stream(u, storage_options=s3_storage_options) for u in stream_urls], cache=cache)
+    ids = [int(s["i"]) for s in ds]
+    assert sorted(ids) == sorted(1000 * s + i for s, n in enumerate(SIZES) for i in range(n))
+
+
+# ---------------------------------------------------------------------------------------------- schemas
+@pytest.mark.timeout(120)
+def test_schemas_differ_only_per_stream(s3_server: Any, stream_urls: list[str], s3_storage_options: dict[str, Any],
+                                        cache: NodeCache) -> None:
+    other = write_stream(s3_server, "captions", 30, 5000, field="y")
+    mix = [Stream(stream_urls[0], storage_options=s3_storage_options),
+           Stream(other, storage_options=s3_storage_options)]
+    with pytest.raises(ValueError, match=f"stream {other}: field 'x' is missing, but .* in stream {stream_urls[0]}"):
+        StreamingDataset(streams=mix, cache=cache, batch_size=B)
+    ds = StreamingDataset(streams=mix, cache=cache, batch_size=B, batching="per_stream")
+    batches = list(ds)
+    assert all(set(b) in ({"i", "x"}, {"i", "y"}) for b in batches)
+    assert sorted(i for b in batches for i in b["i"].tolist()) == sorted([*range(SIZES[0]), *range(5000, 5030)])
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def test_an_empty_stream_is_named(s3_server: Any, stream_urls: list[str], s3_storage_options: dict[str, Any],
+                                  cache: NodeCache) -> None:
+    empty = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/empty/"
+    store = open_store(empty, s3_storage_options)
+    store.write_bytes("manifest.json", Manifest(format="zstd", schema={"i": "int", "x": "ndarray"}, shards=()).to_json()
+                      .encode())
+    store.close()
+    with pytest.raises(ValueError, match=f"stream {empty}: the dataset holds no samples"):
+        StreamingDataset(streams=[Stream(stream_urls[0], storage_options=s3_storage_options),
+                                  Stream(empty, storage_options=s3_storage_options)], cache=cache)
+
+
+def test_bad_mixes_are_refused(stream_urls: list[str], s3_storage_options: dict[str, Any], cache: NodeCache) -> None:
+    mix = streams(stream_urls, s3_storage_options)
+    with pytest.raises(ValueError, match="epoch_size=12 .* is smaller than 2 ranks x batch 8"):
+        StreamingDataset(streams=mix, epoch_size=12, batch_size=B, cache=cache, dp_rank=0, dp_size=2)
+    with pytest.raises(ValueError, match="batching='stratified' composes batches: pass batch_size"):
+        StreamingDataset(streams=mix, batching="stratified", cache=cache)
+    with pytest.raises(ValueError, match="batching='mixed', expected one of random, stratified, per_stream"):
+        StreamingDataset(streams=mix, batching="mixed", cache=cache)
+    with pytest.raises(ValueError, match="pass a dataset url, or streams=.*not both"):
+        StreamingDataset(stream_urls[0], streams=mix, cache=cache)
+    with pytest.raises(ValueError, match="epoch_size, batching and sampling mix streams"):
+        StreamingDataset(stream_urls[0], storage_options=s3_storage_options, epoch_size=10, cache=cache)
+    with pytest.raises(ValueError, match=f"stream {stream_urls[2]}: its proportion draws 0"):
+        StreamingDataset(streams=streams(stream_urls, s3_storage_options, (0.6, 0.399, 0.001)), epoch_size=100,
+                         cache=cache)
+
+
+# ---------------------------------------------------------------------------------------------- the cache
+@pytest.mark.timeout(120)
+def test_cache_knows_every_streams_plan(stream_urls: list[str], s3_storage_options: dict[str, Any],
+                                        cache: NodeCache) -> None:
+    ds = StreamingDataset(streams=streams(stream_urls, s3_storage_options), epoch_size=EPOCH, cache=cache, seed=5)
+    it = iter(ds)
+    ids = [int(next(it)["i"])]
+    known = cache.policy.datasets()
+    for src in ds.source.sources:
+        assert known.get(src.manifest.dataset_id), f"the cache has no plan for stream {src.manifest.dataset_id}"
+    check_epoch(ids + [int(s["i"]) for s in it])
+    ds.close()
