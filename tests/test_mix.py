@@ -169,3 +169,73 @@ def test_cache_knows_every_streams_plan(stream_urls: list[str], s3_storage_optio
         assert known.get(src.manifest.dataset_id), f"the cache has no plan for stream {src.manifest.dataset_id}"
     check_epoch(ids + [int(s["i"]) for s in it])
     ds.close()
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@pytest.mark.parametrize("seed", range(40))
+def test_stratified_layout_is_exact_on_the_plans_batches(seed: int) -> None:
+    """The stratified order, cut by the plan into ranks, workers and batches: every batch within
+    one sample of each stream's share, the epoch's totals exact (random sizes, ranks, batches)."""
+    import numpy as np
+
+    from datacache._mixplan import MixPlan
+    from datacache.plan import PlanSpec, build_plan
+
+    rng = np.random.default_rng(seed)
+    shards = [rng.integers(1, 9, rng.integers(1, 6)) for _ in range(rng.integers(2, 6))]
+    sizes = [int(s.sum()) for s in shards]
+    dp, batch, workers = int(rng.integers(1, 5)), int(rng.integers(1, 12)), int(rng.integers(1, 4))
+    epoch = int(rng.integers(dp * batch, dp * batch + 3 * sum(sizes)))
+    draws = draw_counts([Stream(f"s3://b/{i}", proportion=float(rng.random() + 0.05)) for i in range(len(shards))],
+                        sizes, epoch)
+    if min(draws) == 0:
+        return
+    mix = MixPlan(shards, draws, batching="stratified", sampling="balanced", seed=seed, shuffle=True)
+    pad = -epoch % dp
+    read: list[int] = []
+    for r in range(dp):
+        for w in range(workers):
+            spec = PlanSpec(seed=seed, epoch=1, shuffle=False, dp_size=dp, dp_rank=r, num_workers=workers,
+                            worker_id=w, batch_size=batch)
+            samples = build_plan(mix.counts, spec, order=mix.epoch_order(spec)).samples
+            for a in range(0, len(samples), batch):
+                got = np.bincount(mix.stream_of_samples(samples[a:a + batch]), minlength=len(draws))
+                share = len(samples[a:a + batch]) * np.array(draws) / epoch
+                padded = pad and (r, w) == (dp - 1, workers - 1) and a + batch >= len(samples)
+                assert (np.abs(got - share) < 1).all() or padded, (got, share)
+            read += samples.tolist()
+    assert len(read) == epoch + pad  # the padding: the last rank's last positions
+    assert np.bincount(mix.stream_of_samples(np.array(read[:epoch])), minlength=len(draws)).tolist() == draws
+
+
+@pytest.mark.timeout(200)
+def test_stratified_batches_after_an_elastic_resume(stream_urls: list[str], s3_storage_options: dict[str, Any],
+                                                    cache: NodeCache) -> None:
+    """2 ranks read 3 batches each in epoch 2 and save; 3 ranks resume: every batch of every new
+    rank holds each stream's share of what was left within one sample, the epoch's counts exact."""
+    def make(**kw: Any) -> StreamingDataset:
+        return StreamingDataset(streams=streams(stream_urls, s3_storage_options), epoch_size=EPOCH, batch_size=B,
+                                batching="stratified", cache=cache, seed=5, **kw)
+
+    before, states = [], []
+    for r in range(2):
+        ds = make(dp_rank=r, dp_size=2)
+        ds.set_epoch(2)
+        it = iter(ds)
+        before += [i for _ in range(3) for i in next(it)["i"].tolist()]
+        states.append(ds.state_dict())
+        ds.close()
+    left = Counter({s: DRAWS[s] - sum(1 for i in before if stream_of(i) == s) for s in range(3)})
+    n_left = sum(left.values())
+    after = []
+    for r in range(3):
+        ds = make(dp_rank=r, dp_size=3)
+        ds.load_state_dict(states)
+        for b in ds:
+            got = Counter(stream_of(i) for i in b["i"].tolist())
+            for s in range(3):
+                assert abs(got[s] - len(b["i"]) * left[s] / n_left) < 1, f"rank {r}: {dict(got)} of {dict(left)}"
+            after += b["i"].tolist()
+        ds.close()
+    assert len(after) == n_left  # 216 left: no padding for 3 ranks
+    check_epoch(before + after)
