@@ -60,6 +60,14 @@ class MixedSource:
         src, j = self._real(shard)
         return src.url(j)
 
+    def key(self, shard: int) -> str:
+        return self.manifest.cache_key(shard)
+
+    @property
+    def label(self) -> str:
+        """The streams' URLs, for messages."""
+        return " + ".join(s.url for s in self.streams)
+
     def fetch(self, shard: int, **kw: Any) -> CacheHandle:
         src, j = self._real(shard)
         return src.fetch(j, **kw)

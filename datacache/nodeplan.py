@@ -75,15 +75,18 @@ def _schedule_table(counts: np.ndarray, spec: PlanSpec, dp_ranks: list[int], fir
     return np.array(rows, dtype=_TABLE)
 
 
-def warm_order(counts: np.ndarray, spec: PlanSpec, dp_ranks: Sequence[int]) -> list[int]:
+def warm_order(counts: np.ndarray, spec: PlanSpec, dp_ranks: Sequence[int],
+               orders: EpochOrders | None = None) -> list[int]:
     """The shards this node's consumers need, first need first: every consumer's (data-parallel rank
     in ``dp_ranks``, worker in ``range(spec.num_workers)``) shard sequence for ``spec.epoch``,
-    interleaved by node-clock time (``ConsumerPlan.shard_times``), deduplicated."""
+    interleaved by node-clock time (``ConsumerPlan.shard_times``), deduplicated. ``orders``: the
+    epoch's own order (a mixed dataset's)."""
     events: list[tuple[float, int, int, int]] = []
     consumer = 0
     for r in dp_ranks:
         for w in range(max(spec.num_workers, 1)):
-            plan = build_plan(counts, dataclasses.replace(spec, dp_rank=r, worker_id=w), shards_only=True)
+            sub = dataclasses.replace(spec, dp_rank=r, worker_id=w)
+            plan = build_plan(counts, sub, order=None if orders is None else orders.epoch_order(sub), shards_only=True)
             last, j = None, 0
             for shard, t in plan.shard_times(spec.epoch):
                 j = j + 1 if t == last else 0  # shards of one window share its start time: keep run order

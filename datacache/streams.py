@@ -17,13 +17,14 @@ functions and an immutable ``Stream``: thread-safe.
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-__all__ = ["Stream", "draw_counts", "largest_remainder", "BATCHINGS", "SAMPLINGS"]
+__all__ = ["Stream", "draw_counts", "largest_remainder", "load_streams", "BATCHINGS", "SAMPLINGS"]
 
 BATCHINGS = ("random", "stratified", "per_stream")
 SAMPLINGS = ("balanced", "fixed")
@@ -131,3 +132,42 @@ def draw_counts(streams: Sequence[Stream], sizes: Sequence[int], epoch_size: int
     if epoch_size is None:
         return [int(round(a)) for a in asked]
     return largest_remainder(asked, epoch_size)
+
+
+_MIX_KEYS = ("streams", "epoch_size", "batching", "sampling")
+_STREAM_KEYS = ("url", "proportion", "repeat", "choose", "storage_options", "reader_options")
+
+
+def load_streams(path: str) -> dict[str, Any]:
+    """A mix from a JSON or YAML file (``.yaml``/``.yml``: needs PyYAML): ``{"streams": [{"url":
+    ..., "proportion": ...}, ...], "epoch_size": ..., "batching": ..., "sampling": ...}`` (or just
+    the list of streams), as ``StreamingDataset`` keyword arguments with ``Stream`` objects.
+    ``ValueError`` naming the file for anything else."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if path.endswith((".yaml", ".yml")):
+            try:
+                import yaml
+            except ImportError:
+                raise ValueError(f"{path}: a YAML streams file needs PyYAML (pip install pyyaml); or write it "
+                                 "as JSON") from None
+            doc = yaml.safe_load(text)
+        else:
+            doc = json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read the streams file: {exc}") from None
+    if isinstance(doc, list):
+        doc = {"streams": doc}
+    if not isinstance(doc, Mapping) or not isinstance(doc.get("streams"), list) or set(doc) - set(_MIX_KEYS):
+        raise ValueError(f"{path}: expected a mapping of {', '.join(_MIX_KEYS)} (streams: a list of "
+                         f"mappings of {', '.join(_STREAM_KEYS)}), or the list of streams")
+    out: dict[str, Any] = {k: doc[k] for k in _MIX_KEYS[1:] if k in doc}
+    streams = []
+    for i, st in enumerate(doc["streams"]):
+        if not isinstance(st, Mapping) or "url" not in st or set(st) - set(_STREAM_KEYS):
+            raise ValueError(f"{path}: stream {i + 1} is {st!r}: expected a mapping with url and at most "
+                             f"{', '.join(_STREAM_KEYS[1:])}")
+        streams.append(Stream(st["url"], **{k: v for k, v in st.items() if k != "url"}))
+    out["streams"] = streams
+    return out

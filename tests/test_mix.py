@@ -239,3 +239,38 @@ def test_stratified_batches_after_an_elastic_resume(stream_urls: list[str], s3_s
         ds.close()
     assert len(after) == n_left  # 216 left: no padding for 3 ranks
     check_epoch(before + after)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mix_keeps_the_node_sticky_plan(seed: int) -> None:
+    """batching="random" over 2 nodes x 2 ranks: every epoch has the exact per-stream counts, and
+    each node reads its own shards (all but the few whose samples a node passes to another to even
+    out the epoch's subset: a tenth of the shards read at most, half with placement="global")."""
+    import numpy as np
+
+    from datacache._mixplan import MixPlan
+    from datacache._nodeorder import assign_nodes
+    from datacache.plan import PlanSpec, build_plan
+
+    rng = np.random.default_rng(seed)
+    shards = [rng.integers(5, 9, 40), rng.integers(5, 9, 30), rng.integers(5, 9, 10)]
+    sizes = [int(s.sum()) for s in shards]
+    draws = draw_counts([Stream(f"s3://b/{i}", proportion=p) for i, p in enumerate((0.4, 0.4, 0.2))], sizes, 400)
+    mix = MixPlan(shards, draws, batching="random", sampling="balanced", seed=seed, shuffle=True)
+    weights = mix.counts * 1000
+    owner = assign_nodes(weights, 2, seed)
+    for epoch in range(3):
+        read: list[int] = []
+        used: set[tuple[int, int]] = set()  # (node, shard)
+        for r in range(4):
+            spec = PlanSpec(seed=seed, epoch=epoch, dp_size=4, dp_rank=r, num_nodes=2, shard_bytes=weights)
+            plan = build_plan(mix.counts, spec, order=mix.epoch_order(spec))
+            used |= {(spec.node, s) for s, _, _ in plan.runs}
+            read += plan.samples.tolist()
+        assert np.bincount(mix.stream_of_samples(np.array(read)), minlength=3).tolist() == draws
+        foreign = sum(1 for node, s in used if owner[s] != node)
+        assert foreign <= 0.1 * len(used), f"epoch {epoch}: {foreign} of {len(used)} shards foreign"
+        runs = [(r // 2, s) for r in range(4) for s, _, _ in build_plan(mix.counts, PlanSpec(
+            seed=seed, epoch=epoch, dp_size=4, dp_rank=r, num_nodes=2, placement="global"),
+            order=mix.epoch_order(spec)).runs]
+        assert sum(1 for node, s in runs if owner[s] != node) > 0.25 * len(runs)  # the global plan
