@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-import torch
 import torch.utils.data as tud
 
 from ._batches import RingCollator, collate
@@ -39,7 +38,7 @@ from .plan import DEFAULT_WINDOW, PlanSpec, build_plan
 from .prefetch import Prefetcher
 from .resume import ResumeState, common_state, rank_state, resume_plan, start_state
 from ._mixsource import MixedSource, open_source
-from .shards import ShardSource, tell_plan
+from .shards import tell_plan
 from .streams import Stream
 from .storage import Store
 from ._worker import die_with_parent
@@ -299,7 +298,8 @@ class StreamingDataset(tud.IterableDataset):
     def _unflushed_retries(self, mark: bool = False) -> int:
         """Storage retries of this process not yet in the node-wide ``storage_retries`` counter (a
         forked DataLoader worker's store counts from zero); with ``mark`` they count as added now."""
-        total = self.store.stats()["retries"]
+        stores = self.source.stores() if self._mix is not None else [self.store]  # type: ignore[union-attr]
+        total = sum(st.stats()["retries"] for st in stores)
         pid, done = getattr(self, "_retries_flushed", (-1, 0))
         if mark:
             self._retries_flushed = (os.getpid(), total)
