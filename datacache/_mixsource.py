@@ -76,6 +76,18 @@ class MixedSource:
         src, j = self._real(shard)
         return src.read_runs(j, handle, lo, hi)
 
+    def check_layout(self, dp_size: int, batch_size: int | None, batching_set: bool = True) -> None:
+        """``ValueError`` if the epoch cannot give every rank a batch, or (``batching_set``: at use)
+        if a composed batching has no ``batch_size``."""
+        mix = self.mix
+        if batching_set and mix.layout_bound and batch_size is None:
+            raise ValueError(f"datacache: batching={mix.batching!r} composes batches: pass batch_size to the "
+                             "StreamingDataset or to datacache.DataLoader")
+        if mix.epoch_size < dp_size * (batch_size or 1):
+            raise ValueError(f"datacache: epoch_size={mix.epoch_size} of the streams {self.label} is smaller than "
+                             f"{dp_size} ranks x batch {batch_size or 1}: every rank needs a batch; raise epoch_size "
+                             "or the weights")
+
     def stores(self) -> list[Any]:
         return [s.store for s in self.sources]
 

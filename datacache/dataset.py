@@ -111,9 +111,6 @@ class StreamingDataset(tud.IterableDataset):
                                    retry=retry, reader_options=reader_options, epoch_size=epoch_size,
                                    batching=batching, sampling=sampling, seed=seed, shuffle=shuffle)
         self._mix = self.source.mix if isinstance(self.source, MixedSource) else None
-        if self._mix is not None and self._mix.layout_bound and batch_size is None:
-            raise ValueError(f"datacache: batching={batching!r} composes batches: pass batch_size to the "
-                             "StreamingDataset (and batch_size=None to the DataLoader)")
         self.store: Store = self.source.store
         self.manifest: Manifest = self.source.manifest
         self.cache: NodeCache = self.source.cache
@@ -134,10 +131,8 @@ class StreamingDataset(tud.IterableDataset):
         self.placement = placement
         # Composed batches keep one global layout (node-sticky placement reorders within nodes).
         self.num_nodes = 1 if self._mix is not None and self._mix.layout_bound else self._num_nodes()
-        if self._mix is not None and self._mix.epoch_size < self.dp_size * (batch_size or 1):
-            raise ValueError(f"datacache: epoch_size={self._mix.epoch_size} of the streams "
-                             f"{', '.join(s.url for s in self.source.streams)} is smaller than {self.dp_size} ranks x "
-                             f"batch {batch_size or 1}: every rank needs a batch; raise epoch_size or the weights")
+        if isinstance(self.source, MixedSource):
+            self.source.check_layout(self.dp_size, batch_size, batching_set=False)
         self.shard_bytes = readonly([s.bytes for s in self.manifest.shards])
         if self.num_nodes > 1:  # once per run and node, here: forked DataLoader workers inherit it
             assign_nodes(self.shard_bytes, self.num_nodes, self.seed, share_dir=self.cache.control_dir)
@@ -169,6 +164,8 @@ class StreamingDataset(tud.IterableDataset):
         self._epoch_explicit = True
 
     def _spec(self, num_workers: int, worker_id: int, epoch: int | None = None) -> PlanSpec:
+        if isinstance(self.source, MixedSource):  # batch_size may have been set since (datacache.DataLoader)
+            self.source.check_layout(self.dp_size, self.batch_size)
         shuffle = self.shuffle and (self._mix is None or not self._mix.layout_bound)  # a composed order stays
         return PlanSpec(seed=self.seed, epoch=self.epoch if epoch is None else epoch, shuffle=shuffle,
                         window=self.window, drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,

@@ -112,6 +112,23 @@ def test_union_without_weights(stream_urls: list[str], s3_storage_options: dict[
     assert sorted(ids) == sorted(1000 * s + i for s, n in enumerate(SIZES) for i in range(n))
 
 
+@pytest.mark.timeout(120)
+def test_datacache_dataloader_gives_the_batch_size(stream_urls: list[str], s3_storage_options: dict[str, Any],
+                                                   cache: NodeCache) -> None:
+    """datacache.DataLoader(ds, batch_size=B) over a stratified mix: the dataset's batched mode."""
+    import datacache
+
+    ds = StreamingDataset(streams=streams(stream_urls, s3_storage_options), epoch_size=EPOCH, batching="stratified",
+                          cache=cache, seed=5)
+    batches = [b["i"].tolist() for b in datacache.DataLoader(ds, batch_size=B, num_workers=2)]
+    assert len(batches) == EPOCH // B
+    for b in batches:
+        got = Counter(stream_of(i) for i in b)
+        assert all(abs(got[s] - B * d / EPOCH) < 1 for s, d in enumerate(DRAWS)), dict(got)
+    check_epoch([i for b in batches for i in b])
+    ds.close()
+
+
 # ---------------------------------------------------------------------------------------------- schemas
 @pytest.mark.timeout(120)
 def test_schemas_differ_only_per_stream(s3_server: Any, stream_urls: list[str], s3_storage_options: dict[str, Any],
@@ -145,7 +162,7 @@ def test_bad_mixes_are_refused(stream_urls: list[str], s3_storage_options: dict[
     with pytest.raises(ValueError, match="epoch_size=12 .* is smaller than 2 ranks x batch 8"):
         StreamingDataset(streams=mix, epoch_size=12, batch_size=B, cache=cache, dp_rank=0, dp_size=2)
     with pytest.raises(ValueError, match="batching='stratified' composes batches: pass batch_size"):
-        StreamingDataset(streams=mix, batching="stratified", cache=cache)
+        len(StreamingDataset(streams=mix, batching="stratified", cache=cache))
     with pytest.raises(ValueError, match="batching='mixed', expected one of random, stratified, per_stream"):
         StreamingDataset(streams=mix, batching="mixed", cache=cache)
     with pytest.raises(ValueError, match="pass a dataset url, or streams=.*not both"):
