@@ -135,16 +135,17 @@ class MixPlan:
         return readonly(order)
 
     def batch_cuts(self, samples: np.ndarray, size: int, after: int = 0) -> list[int]:
-        """Where a worker's batches of at most ``size`` end in per_stream mode, from position
-        ``after`` (a batch boundary) on: a batch also ends where the stream changes (the few
-        batches that split a plan batch of two streams)."""
+        """Where a worker's batches end in per_stream mode, from position ``after`` (a batch
+        boundary) on: at the plan's batch boundaries (multiples of ``size``: a worker starts on
+        one), and where the stream changes (the few plan batches that hold two streams split in
+        two). So ``len()`` is the same for any number of workers."""
         label = self.stream_of_samples(samples)
         change = (np.flatnonzero(np.diff(label)) + 1).tolist() + [len(samples)]
         cuts, pos, ci = [], int(after), 0
         while pos < len(samples):
             while change[ci] <= pos:
                 ci += 1
-            pos = min(pos + size, change[ci])
+            pos = min((pos // size + 1) * size, change[ci])
             cuts.append(pos)
         return cuts
 

@@ -291,3 +291,37 @@ def test_random_mix_keeps_the_node_sticky_plan(seed: int) -> None:
             seed=seed, epoch=epoch, dp_size=4, dp_rank=r, num_nodes=2, placement="global"),
             order=mix.epoch_order(spec)).runs]
         assert sum(1 for node, s in runs if owner[s] != node) > 0.25 * len(runs)  # the global plan
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_per_stream_batches_are_one_stream_and_len_holds_for_any_workers(seed: int) -> None:
+    """per_stream: every batch of every worker is one stream's, none longer than batch_size, and
+    the rank's batch count is the same whatever the number of workers (what len() says)."""
+    import numpy as np
+
+    from datacache._mixplan import MixPlan
+    from datacache.plan import PlanSpec, build_plan
+
+    rng = np.random.default_rng(seed)
+    shards = [rng.integers(1, 9, rng.integers(1, 6)) for _ in range(rng.integers(2, 5))]
+    sizes = [int(s.sum()) for s in shards]
+    dp, batch = int(rng.integers(1, 4)), int(rng.integers(2, 9))
+    draws = draw_counts([Stream(f"s3://b/{i}", proportion=float(rng.random() + 0.1)) for i in range(len(shards))],
+                        sizes, int(rng.integers(dp * batch, dp * batch + 2 * sum(sizes))))
+    if min(draws) == 0:
+        return
+    mix = MixPlan(shards, draws, batching="per_stream", sampling="balanced", seed=seed, shuffle=True)
+    for r in range(dp):
+        counts = set()
+        for workers in (1, 2, 3):
+            n = 0
+            for w in range(workers):
+                spec = PlanSpec(seed=seed, shuffle=False, dp_size=dp, dp_rank=r, num_workers=workers, worker_id=w,
+                                batch_size=batch)
+                samples = build_plan(mix.counts, spec, order=mix.epoch_order(spec)).samples
+                cuts = mix.batch_cuts(samples, batch)
+                for a, b in zip([0, *cuts[:-1]], cuts):
+                    assert 0 < b - a <= batch and len(set(mix.stream_of_samples(samples[a:b]).tolist())) == 1
+                n += len(cuts)
+            counts.add(n)
+        assert len(counts) == 1, f"rank {r}: {counts} batches for 1, 2, 3 workers"
