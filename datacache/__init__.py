@@ -9,6 +9,7 @@ Public API (guarded by ``tests/test_api.py``)::
     LRUPolicy, ClairvoyantPolicy, Schedule  eviction policies
     StreamingDataset                        the drop-in IterableDataset
     DataLoader                              torch's DataLoader signature, batching in the dataset (the fast path)
+    Stream                                  one source of a mixed StreamingDataset(streams=[...])
     CachedDataset                           map-style, for your own sampler (plan(indices))
     CacheConfig, PrefetchConfig, TransferConfig, RetryConfig, parse_size
     DatacacheError and subclasses           see datacache.errors
@@ -24,6 +25,7 @@ from .errors import (CacheError, DatacacheError, DatasetExistsError, IntegrityEr
 from .eviction import ClairvoyantPolicy, LRUPolicy, Schedule
 from .manifest import Manifest, ShardInfo, load_manifest
 from .storage import Store, open_store
+from .streams import Stream
 from .writer import DatasetWriter, write_dataset
 
 
@@ -53,7 +55,7 @@ __all__ = [
     "open_store", "Store",
     "NodeCache", "CacheHandle",
     "LRUPolicy", "ClairvoyantPolicy", "Schedule",
-    "StreamingDataset", "DataLoader", "CachedDataset",
+    "StreamingDataset", "DataLoader", "CachedDataset", "Stream",
     "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size",
     "DatacacheError", "StorageError", "TransientStorageError", "ThrottledError", "NotFoundError",
     "PermissionDeniedError",

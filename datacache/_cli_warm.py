@@ -18,7 +18,9 @@ from .config import format_size
 from .dist import plan_nodes
 from .nodeplan import node_dp_ranks, node_schedule, warm_order
 from .plan import PlanSpec
+from ._mixsource import MixedSource, open_mixed
 from .shards import ShardSource, tell_plan
+from .streams import load_streams
 
 __all__ = ["cmd_warm", "warm_order", "parse_ranks"]
 
@@ -74,22 +76,50 @@ def _node_dp_ranks(a: Any) -> tuple[int, list[int], list[int], int]:
     return world // k, node_dp_ranks(ranks, k), ranks, nodes
 
 
+def _open(ctx: Ctx) -> ShardSource | MixedSource:
+    """The dataset of ``URL``, or the mix of ``--streams FILE`` (a stream without storage_options
+    takes the command's)."""
+    a = ctx.args
+    if (a.url is None) == (a.streams is None):
+        raise UsageError("give a dataset URL or --streams FILE" + (", not both" if a.url else ""))
+    if a.url is not None:
+        return ShardSource.open(a.url, storage_options=ctx.storage_options, cache=ctx.cache_config())
+    try:
+        mix = load_streams(a.streams)
+        streams = [s if s.storage_options is not None else dataclasses.replace(s, storage_options=ctx.storage_options)
+                   for s in mix.pop("streams")]
+        return open_mixed(streams, cache=ctx.cache_config(), transfer=None, retry=None, reader_options=None,
+                          seed=a.seed, shuffle=a.shuffle, epoch_size=mix.get("epoch_size"),
+                          batching=mix.get("batching", "random"), sampling=mix.get("sampling", "balanced"))
+    except ValueError as exc:
+        raise UsageError(f"--streams {a.streams}: {exc}") from None
+
+
+def _label(source: ShardSource | MixedSource) -> str:
+    return source.label if isinstance(source, MixedSource) else source.store.url
+
+
 def cmd_warm(ctx: Ctx) -> int:
     a = ctx.args
     dp_size, dp_ranks, ranks, nodes = _node_dp_ranks(a)
     num_workers = max(a.workers, 1)
-    with closing(ShardSource.open(a.url, storage_options=ctx.storage_options, cache=ctx.cache_config())) as source, \
-            source.cache:
+    with closing(_open(ctx)) as source, source.cache:
         counts = np.array([s.samples for s in source.manifest.shards], dtype=np.int64)
-        spec = PlanSpec(seed=a.seed, epoch=a.epoch, shuffle=a.shuffle, window=a.window, drop_last=a.drop_last,
-                        dp_size=dp_size, dp_rank=dp_ranks[0], num_workers=num_workers, worker_id=0, num_nodes=nodes,
-                        batch_size=a.batch_size,
+        mix = source.mix if isinstance(source, MixedSource) else None
+        composed = mix is not None and mix.layout_bound  # as the dataset plans a composed mix
+        spec = PlanSpec(seed=a.seed, epoch=a.epoch, shuffle=a.shuffle and not composed, window=a.window,
+                        drop_last=a.drop_last, dp_size=dp_size, dp_rank=dp_ranks[0], num_workers=num_workers,
+                        worker_id=0, num_nodes=1 if composed else nodes, batch_size=a.batch_size,
                         placement=a.placement, shard_bytes=readonly([s.bytes for s in source.manifest.shards]))
-        order = warm_order(counts, spec, dp_ranks)
+        # a mix's copies of one shard are one cache entry: warmed once, at its first need
+        first: dict[str, int] = {}
+        for shard in warm_order(counts, spec, dp_ranks, mix):
+            first.setdefault(source.key(shard), shard)
+        order = list(first.values())
         # Evict (and bypass) by next use in the node's plan, as the dataset does.
-        tell_plan(source.cache, node_schedule(source.manifest, counts, spec, dp_ranks))
+        tell_plan(source.cache, node_schedule(source.manifest, counts, spec, dp_ranks, orders=mix))
         sel = _select(source, order, a)
-        info = {"url": source.store.url, "dataset_id": source.manifest.dataset_id, "epoch": a.epoch, "ranks": ranks,
+        info = {"url": _label(source), "dataset_id": source.manifest.dataset_id, "epoch": a.epoch, "ranks": ranks,
                 "dp_size": dp_size, "dp_ranks": dp_ranks, "workers": a.workers, "nodes": nodes,
                 "node_rank": spec.node, **sel.info()}
         scope = (f"epoch {a.epoch}, ranks {_fmt_ranks(ranks)} of {a.world_size}"
@@ -165,7 +195,7 @@ def _dry_run(ctx: Ctx, source: ShardSource, sel: _Selection, info: dict[str, Any
                "cached": source.cache.contains(source.key(s))} for s in sel.shards]
     cached = sum(1 for s in shards if s["cached"])
     ctx.emit({**info, "dry_run": True, "already_cached": cached, "shards": shards},
-             [f"would warm {source.store.url} ({source.manifest.dataset_id}) for {scope}:", sel.line(),
+             [f"would warm {_label(source)} ({source.manifest.dataset_id}) for {scope}:", sel.line(),
               f"  {cached} of them already cached; {len(sel.ram)} for RAM, {len(sel.ssd)} for SSD"])
     return 0
 
@@ -239,7 +269,7 @@ def _report(ctx: Ctx, source: ShardSource, sel: _Selection, tally: _WarmTally, i
         "used_ram": after["used_ram"], "budget_ram": after["budget_ram"],
         "used_ssd": after["used_ssd"], "budget_ssd": after["budget_ssd"],
     })
-    lines = [f"warmed {source.store.url} ({source.manifest.dataset_id}) for {scope}:",
+    lines = [f"warmed {_label(source)} ({source.manifest.dataset_id}) for {scope}:",
              f"  fetched {tally.fetched} shards ({format_size(tally.fetched_bytes)}) in {seconds:.1f} s "
              f"({_mbps(tally.fetched_bytes, seconds):.1f} MB/s); {tally.cached} already cached", sel.line(),
              f"  cache: ram {format_size(after['used_ram'])} / {format_size(after['budget_ram'])}, "

@@ -115,6 +115,8 @@ examples:
   datacache warm s3://bucket/ds/ --world-size 16 --ranks 8-15 --workers 4 --fraction 0.1
   # what would be warmed, without fetching
   datacache warm s3://bucket/ds/ --dry-run --json
+  # a mixed dataset: the StreamingDataset(streams=...) arguments in a file
+  datacache warm --streams mix.yaml --world-size 8 --nproc-per-node 8 --workers 4 --batch-size 256
 """,
     "stat": """\
 Per tier: budget, bytes used, entries, hits and misses (a RAM miss is an SSD hit or a fetch);
@@ -264,7 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     subs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = _sub(subs, "warm", "fill this node's cache with what its ranks read first")
-    p.add_argument("url", metavar="URL", help="dataset prefix (holding manifest.json)")
+    p.add_argument("url", metavar="URL", nargs="?", default=None, help="dataset prefix (holding manifest.json)")
+    p.add_argument("--streams", metavar="FILE", default=None,
+                   help="instead of URL: a mixed dataset's streams, a JSON or YAML file of streams (url, proportion/"
+                        "repeat/choose, storage_options, reader_options), epoch_size, batching, sampling")
     g = p.add_argument_group("plan (must match the training job's StreamingDataset)")
     g.add_argument("--epoch", type=_nonneg_int, default=0, help="epoch to warm for (default 0)")
     g.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")

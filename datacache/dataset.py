@@ -20,13 +20,12 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
 import numpy.ma  # noqa: F401 - the plan's np.unique imports it on first use: once here, not per forked worker
 import numpy.random  # noqa: F401 - the same (each import costs a starting DataLoader worker 40 ms of CPU)
-import torch
 import torch.utils.data as tud
 
 from ._batches import RingCollator, collate
@@ -40,45 +39,16 @@ from .nodeplan import cap_lookahead, node_dp_ranks, node_schedule
 from .plan import DEFAULT_WINDOW, PlanSpec, build_plan
 from .prefetch import Prefetcher
 from .resume import ResumeState, common_state, rank_state, resume_plan, start_state
-from .shards import ShardSource, tell_plan
+from ._mixsource import MixedSource, open_source
+from .shards import tell_plan
+from .streams import Stream
 from .storage import Store
 from ._worker import die_with_parent
+from ._dsutil import loader_batch, shared_int
 
 __all__ = ["StreamingDataset"]
 
 _BATCH_AHEAD = 4  # batches collated ahead of the one handed out
-
-
-def _shared_int() -> torch.Tensor:
-    """A 0-d int64 tensor in shared memory: DataLoader workers (fork or spawn) share it with the
-    main process, so a value set there later is seen by persistent workers."""
-    t = torch.zeros((), dtype=torch.int64)
-    try:
-        return t.share_memory_()
-    except (RuntimeError, OSError):  # no shared memory: persistent workers will not see set_epoch
-        return t
-
-
-def _loader_batch(caller: FrameType | None) -> int | None:
-    """The batch size of the DataLoader that batches this dataset's items itself (None: it does not,
-    or the caller is no DataLoader), which batched mode refuses. Nothing public tells a dataset, so
-    this looks at the frame that resumed ``__iter__``: torch's iterable-dataset fetcher
-    (StatefulDataLoader's too), whose ``auto_collation`` is set when the DataLoader has a
-    batch_size, and which holds the batch's indices. Any other caller (a loop over the dataset, a
-    future torch) gives None; its locals are not read (before Python 3.13 that would keep them
-    alive, this iterator among them)."""
-    try:
-        from torch.utils.data._utils.fetch import _BaseDatasetFetcher
-    except ImportError:
-        return None
-    if caller is None or caller.f_code.co_name != "fetch":
-        return None
-    local = caller.f_locals
-    fetcher = local.get("self")
-    if not isinstance(fetcher, _BaseDatasetFetcher) or not getattr(fetcher, "auto_collation", False):
-        return None
-    index = local.get("possibly_batched_index")
-    return len(index) if hasattr(index, "__len__") else 1
 
 
 class StreamingDataset(tud.IterableDataset):
@@ -86,7 +56,14 @@ class StreamingDataset(tud.IterableDataset):
 
     Arguments (all but ``url`` keyword-only):
 
-    - ``url``: the dataset's prefix (any fsspec URL holding a ``manifest.json``).
+    - ``url``: the dataset's prefix (any fsspec URL holding a ``manifest.json``); or
+    - ``streams``: several datasets mixed into one (``datacache.Stream``, each with its own options
+      and at most one of proportion/repeat/choose; see ``datacache.streams``), with
+      ``epoch_size`` (samples per epoch; default: the streams' sizes summed, or their
+      repeat/choose draws), ``batching`` ("random": mixed; "stratified": every batch holds each
+      stream's share within one sample; "per_stream": each batch from one stream, which allows
+      different schemas) and ``sampling`` ("balanced": a stream drawn below its size takes a new
+      subset each epoch; "fixed": the same one). Each epoch draws exactly the streams' counts.
     - ``storage_options``: fsspec options for the store (credentials, ``client_kwargs``...).
     - ``cache``: a ``CacheConfig`` (default ``CacheConfig()``, from ``DATACACHE_*`` variables and
       defaults) or an open ``NodeCache`` to share with other datasets.
@@ -116,7 +93,9 @@ class StreamingDataset(tud.IterableDataset):
       serving); "global" reshuffles all shards over all ranks every epoch. One node: the same.
     """
 
-    def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
+    def __init__(self, url: str | None = None, *, streams: Sequence[Stream] | None = None,
+                 epoch_size: int | None = None, batching: str = "random", sampling: str = "balanced",
+                 storage_options: Mapping[str, Any] | None = None,
                  cache: CacheConfig | NodeCache | None = None, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, window: int = DEFAULT_WINDOW,
                  transform: Callable[[dict[str, Any]], Any] | None = None, batch_size: int | None = None,
@@ -130,8 +109,10 @@ class StreamingDataset(tud.IterableDataset):
             raise ValueError("on_error must be 'raise' or 'skip'")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive int or None (samples mode), got {batch_size!r}")
-        self.source = ShardSource.open(url, storage_options=storage_options, cache=cache, transfer=transfer,
-                                       retry=retry, reader_options=reader_options)
+        self.source = open_source(url, streams, storage_options=storage_options, cache=cache, transfer=transfer,
+                                   retry=retry, reader_options=reader_options, epoch_size=epoch_size,
+                                   batching=batching, sampling=sampling, seed=seed, shuffle=shuffle)
+        self._mix = self.source.mix if isinstance(self.source, MixedSource) else None
         self.store: Store = self.source.store
         self.manifest: Manifest = self.source.manifest
         self.cache: NodeCache = self.source.cache
@@ -150,16 +131,19 @@ class StreamingDataset(tud.IterableDataset):
             dp_size, dp_rank = self.dist.world_size // replication, self.dist.rank // replication
         self.dp_size, self.dp_rank = int(dp_size), int(dp_rank)
         self.placement = placement
-        self.num_nodes = self._num_nodes()
+        # Composed batches keep one global layout (node-sticky placement reorders within nodes).
+        self.num_nodes = 1 if self._mix is not None and self._mix.layout_bound else self._num_nodes()
+        if isinstance(self.source, MixedSource):
+            self.source.check_layout(self.dp_size, batch_size, batching_set=False)
         self.shard_bytes = readonly([s.bytes for s in self.manifest.shards])
         if self.num_nodes > 1:  # once per run and node, here: forked DataLoader workers inherit it
             assign_nodes(self.shard_bytes, self.num_nodes, self.seed, share_dir=self.cache.control_dir)
-        self._epoch = _shared_int()
+        self._epoch = shared_int()
         self.epoch = 0
         self._epoch_explicit = False  # set_epoch was called (a DataLoader worker inherits this)
         self._resume: ResumeState | None = None  # loaded, not yet iterated
         self._resume_base: ResumeState | None = None  # what the current iteration started from
-        self._in_workers = _shared_int()  # 1 while DataLoader workers iterate copies of this dataset
+        self._in_workers = shared_int()  # 1 while DataLoader workers iterate copies of this dataset
         self._consumer: Consumer | None = None
         self._collator: RingCollator | None = None
         self._worker = (0, 1)
@@ -182,7 +166,10 @@ class StreamingDataset(tud.IterableDataset):
         self._epoch_explicit = True
 
     def _spec(self, num_workers: int, worker_id: int, epoch: int | None = None) -> PlanSpec:
-        return PlanSpec(seed=self.seed, epoch=self.epoch if epoch is None else epoch, shuffle=self.shuffle,
+        if isinstance(self.source, MixedSource):  # batch_size may have been set since (datacache.DataLoader)
+            self.source.check_layout(self.dp_size, self.batch_size)
+        shuffle = self.shuffle and (self._mix is None or not self._mix.layout_bound)  # a composed order stays
+        return PlanSpec(seed=self.seed, epoch=self.epoch if epoch is None else epoch, shuffle=shuffle,
                         window=self.window, drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,
                         num_workers=num_workers, worker_id=worker_id, batch_size=self.batch_size or 1,
                         num_nodes=self.num_nodes, placement=self.placement, shard_bytes=self.shard_bytes)
@@ -203,12 +190,16 @@ class StreamingDataset(tud.IterableDataset):
         """Samples this rank reads per epoch; in batched mode its batches, exact for any number of
         DataLoader workers (they get whole batches: the plan's step 3), so ``len(DataLoader(ds,
         batch_size=None))`` is what comes."""
-        n = len(build_plan(self.counts, self._spec(1, 0), shards_only=True))
+        spec = self._spec(1, 0)
+        order = None if self._mix is None else self._mix.epoch_order(spec)
+        if self._mix is not None and self._mix.batching == "per_stream":  # batches end where streams change
+            return len(self._mix.batch_cuts(build_plan(self.counts, spec, order=order).samples, self.batch_size or 1))
+        n = len(build_plan(self.counts, spec, order=order, shards_only=True))
         return n if self.batch_size is None else -(-n // self.batch_size)
 
     def _check_loader(self, caller: FrameType | None) -> None:
         """Refuse a DataLoader that batches batched mode's batches again."""
-        n = _loader_batch(caller) if self.batch_size is not None else None
+        n = loader_batch(caller) if self.batch_size is not None else None
         if n is not None:
             raise ValueError(f"datacache: StreamingDataset(batch_size={self.batch_size}) yields whole batches and the "
                              f"DataLoader batches them again (its batch_size={n}; 1 is the default): pass "
@@ -226,13 +217,13 @@ class StreamingDataset(tud.IterableDataset):
         if self._resume is not None and self._resume.epoch != self.epoch:
             self._resume = None  # set_epoch moved on (seen here only through the shared epoch)
         spec = self._spec(num_workers, worker_id)
-        order, skip = resume_plan(self.counts, spec, self._resume)
+        order, skip = resume_plan(self.counts, spec, self._resume, orders=self._mix)
         plan = build_plan(self.counts, spec, order=order)
         schedule = None
         if self.cache.config.policy != "lru":
             ranks = self._node_dp_ranks() if order is None else [self.dp_rank]
             times = node_schedule(self.manifest, self.counts, spec, ranks, first_plan_order=order,
-                                  share_dir=self.cache.control_dir)
+                                  share_dir=self.cache.control_dir, orders=self._mix)
             schedule = tell_plan(self.cache, times)
         if self._consumer is not None:
             self._consumer.close()
@@ -259,14 +250,17 @@ class StreamingDataset(tud.IterableDataset):
         # state_dict must record, not what the batcher has read).
         samples = iter(consumer)
         size = self.batch_size
-        total = -(-max(len(consumer.plan) - consumer.skip, 0) // size)
+        cuts = self._mix.batch_cuts(consumer.plan.samples, size, after=consumer.skip) \
+            if self._mix is not None and self._mix.batching == "per_stream" else None
+        total = -(-max(len(consumer.plan) - consumer.skip, 0) // size) if cuts is None else len(cuts)
         in_worker = tud.get_worker_info() is not None
         # The default collation writes batches into a reusable ring (shared with the main process
         # when this is a DataLoader worker): see datacache._batches.
         ring = self._ring(shared=in_worker) if self.collate_fn is collate else None
 
-        def make_batch(_: int) -> tuple[Any, int] | None:
-            batch = [transform(s) if transform else s for s in itertools.islice(samples, size)]
+        def make_batch(j: int) -> tuple[Any, int] | None:
+            n = size if cuts is None else cuts[j] - consumer.consumed  # per_stream: cut at stream changes
+            batch = [transform(s) if transform else s for s in itertools.islice(samples, n)]
             if not batch:
                 return None
             return (ring(batch) if ring else self.collate_fn(batch)), consumer.consumed
@@ -303,7 +297,8 @@ class StreamingDataset(tud.IterableDataset):
     def _unflushed_retries(self, mark: bool = False) -> int:
         """Storage retries of this process not yet in the node-wide ``storage_retries`` counter (a
         forked DataLoader worker's store counts from zero); with ``mark`` they count as added now."""
-        total = self.store.stats()["retries"]
+        stores = self.source.stores() if self._mix is not None else [self.store]  # type: ignore[union-attr]
+        total = sum(st.stats()["retries"] for st in stores)
         pid, done = getattr(self, "_retries_flushed", (-1, 0))
         if mark:
             self._retries_flushed = (os.getpid(), total)

@@ -21,7 +21,7 @@ from .cache import NodeCache
 from .config import PrefetchConfig
 from .eviction import Schedule
 from .manifest import Manifest
-from .plan import PlanSpec, build_plan
+from .plan import EpochOrders, PlanSpec, build_plan
 
 __all__ = ["node_schedule", "warm_order", "cap_lookahead", "node_dp_ranks"]
 
@@ -33,52 +33,60 @@ def node_dp_ranks(ranks: Iterable[int], replication: int = 1) -> list[int]:
 
 
 def node_schedule(manifest: Manifest, counts: np.ndarray, spec: PlanSpec, dp_ranks: Sequence[int],
-                  first_plan_order: np.ndarray | None = None, share_dir: str | None = None) -> Schedule:
+                  first_plan_order: np.ndarray | None = None, share_dir: str | None = None,
+                  orders: EpochOrders | None = None) -> Schedule:
     """Next-use times of every shard for every consumer of the node (data-parallel ranks
     ``dp_ranks`` x ``spec.num_workers`` workers), for ``spec.epoch`` and the next epoch.
     ``first_plan_order``: the order that replaces this epoch's global order (a resume).
     ``share_dir`` (the node cache's control directory): computed once per node, by the first of
-    its consumers, and read by the others (``datacache._nodeshare``)."""
+    its consumers, and read by the others (``datacache._nodeshare``). ``orders``: the epochs' own
+    orders (a mixed dataset's)."""
     ranks = [int(r) for r in dp_ranks]
+    later = None if orders is None else orders.epoch_order(dataclasses.replace(spec, epoch=spec.epoch + 1))
     ident = (digest(readonly(counts)), digest(spec.shard_bytes) if spec.node_placed else None,
              digest(first_plan_order), spec.seed, spec.epoch, spec.shuffle, spec.window, spec.drop_last,
-             spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes, spec.placement, ranks)
+             spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes, spec.placement, ranks,
+             digest(later), None if orders is None or first_plan_order is not None else digest(orders.epoch_order(spec)))
     name = "schedule-v1-" + hashlib.blake2b(repr(ident).encode(), digest_size=16).hexdigest()
     shards = len(counts)
-    table = shared_array(share_dir, name, lambda: _schedule_table(counts, spec, ranks, first_plan_order),
+    table = shared_array(share_dir, name, lambda: _schedule_table(counts, spec, ranks, first_plan_order, orders),
                          lambda a: a.dtype == _TABLE and a.ndim == 1
                          and bool(np.all((a["shard"] >= 0) & (a["shard"] < shards))))
-    times: dict[int, list[float]] = {}
+    times: dict[str, list[float]] = {}
     for shard, t in zip(table["shard"].tolist(), table["time"].tolist()):
-        times.setdefault(shard, []).append(t)
-    return Schedule({manifest.cache_key(s): ts for s, ts in times.items()})
+        times.setdefault(manifest.cache_key(shard), []).append(t)
+    return Schedule(times)
 
 
 _TABLE = np.dtype([("shard", "<i8"), ("time", "<f8")])
 
 
-def _schedule_table(counts: np.ndarray, spec: PlanSpec, dp_ranks: list[int],
-                    first_plan_order: np.ndarray | None) -> np.ndarray:
+def _schedule_table(counts: np.ndarray, spec: PlanSpec, dp_ranks: list[int], first_plan_order: np.ndarray | None,
+                    orders: EpochOrders | None = None) -> np.ndarray:
     """(shard, time) of every run of every consumer of the node, this epoch and the next."""
     rows: list[tuple[int, float]] = []
     for epoch in (spec.epoch, spec.epoch + 1):
         for r in dp_ranks:
             for w in range(spec.num_workers):
                 sub = dataclasses.replace(spec, epoch=epoch, dp_rank=r, worker_id=w)
-                order = first_plan_order if epoch == spec.epoch else None
+                order = first_plan_order if epoch == spec.epoch and first_plan_order is not None else \
+                    None if orders is None else orders.epoch_order(sub)
                 rows += build_plan(counts, sub, order=order, shards_only=True).shard_times(epoch)
     return np.array(rows, dtype=_TABLE)
 
 
-def warm_order(counts: np.ndarray, spec: PlanSpec, dp_ranks: Sequence[int]) -> list[int]:
+def warm_order(counts: np.ndarray, spec: PlanSpec, dp_ranks: Sequence[int],
+               orders: EpochOrders | None = None) -> list[int]:
     """The shards this node's consumers need, first need first: every consumer's (data-parallel rank
     in ``dp_ranks``, worker in ``range(spec.num_workers)``) shard sequence for ``spec.epoch``,
-    interleaved by node-clock time (``ConsumerPlan.shard_times``), deduplicated."""
+    interleaved by node-clock time (``ConsumerPlan.shard_times``), deduplicated. ``orders``: the
+    epoch's own order (a mixed dataset's)."""
     events: list[tuple[float, int, int, int]] = []
     consumer = 0
     for r in dp_ranks:
         for w in range(max(spec.num_workers, 1)):
-            plan = build_plan(counts, dataclasses.replace(spec, dp_rank=r, worker_id=w), shards_only=True)
+            sub = dataclasses.replace(spec, dp_rank=r, worker_id=w)
+            plan = build_plan(counts, sub, order=None if orders is None else orders.epoch_order(sub), shards_only=True)
             last, j = None, 0
             for shard, t in plan.shard_times(spec.epoch):
                 j = j + 1 if t == last else 0  # shards of one window share its start time: keep run order

@@ -46,13 +46,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Protocol
 
 import numpy as np
 
 from ._nodeorder import digest, memo, node_part, node_pieces
 from ._pieces import Pieces
 
-__all__ = ["PlanSpec", "ConsumerPlan", "global_order", "split_even", "build_plan", "remainder_order",
+__all__ = ["PlanSpec", "EpochOrders", "ConsumerPlan", "global_order", "split_even", "build_plan", "remainder_order",
            "DEFAULT_WINDOW"]
 
 DEFAULT_WINDOW = 4
@@ -100,6 +101,18 @@ class PlanSpec:
             raise ValueError("window must be >= 1 shard")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+
+class EpochOrders(Protocol):
+    """An epoch order other than step 1's (a mixed dataset's, ``datacache._mixplan.MixPlan``)."""
+
+    def epoch_order(self, spec: PlanSpec) -> np.ndarray:
+        """The order of ``spec.epoch`` for the layout of ``spec`` (passed as ``build_plan``'s order)."""
+        ...
+
+    def resume_order(self, remainder: np.ndarray, spec: PlanSpec) -> np.ndarray:
+        """A resume's ``remainder_order`` laid out for the layout of ``spec``."""
+        ...
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .plan import PlanSpec, remainder_order
+from .plan import EpochOrders, PlanSpec, remainder_order
 
 __all__ = ["STATE_VERSION", "Link", "ResumeState", "start_state", "rank_state", "common_state", "resume_plan"]
 
@@ -260,18 +260,24 @@ def _link_spec(spec: PlanSpec, link: Link | ResumeState) -> PlanSpec:
                    num_nodes=link.num_nodes, dp_rank=0, worker_id=0)
 
 
-def resume_plan(counts: np.ndarray, spec: PlanSpec, state: ResumeState | None) -> tuple[np.ndarray | None, int]:
+def resume_plan(counts: np.ndarray, spec: PlanSpec, state: ResumeState | None,
+                orders: EpochOrders | None = None) -> tuple[np.ndarray | None, int]:
     """(order override, samples to skip) for consumer ``spec`` continuing from ``state``.
 
     Each chain link turns the epoch's order into the remainder it left. With the state's layout
     the plan is rebuilt on that order and the consumer skips what it delivered (exact order);
     otherwise the state becomes one more remainder, planned afresh for the new layout.
+    ``orders``: the epoch's own order (a mixed dataset's, ``datacache._mixplan``), planned with the
+    layout that began the epoch, and how a remainder is laid out again for the next layout.
     """
     if state is None:
-        return None, 0
-    order = None
-    for link in state.chain:
+        return (None if orders is None else orders.epoch_order(spec)), 0
+    links: list[Link | ResumeState] = [*state.chain, state]
+    order = None if orders is None else orders.epoch_order(_link_spec(spec, links[0]))
+    for link, after in zip(state.chain, links[1:]):
         order = remainder_order(counts, _link_spec(spec, link), list(link.consumed), order=order)
+        if orders is not None:
+            order = orders.resume_order(order, _link_spec(spec, after))
     if state.same_layout(spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes):
         skip = state.consumed[spec.worker_id]
         if skip is None:
@@ -281,4 +287,5 @@ def resume_plan(counts: np.ndarray, spec: PlanSpec, state: ResumeState | None) -
         return order, skip
     state.check_layout(spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes)
     link = state.as_link()
-    return remainder_order(counts, _link_spec(spec, link), list(link.consumed), order=order), 0
+    order = remainder_order(counts, _link_spec(spec, link), list(link.consumed), order=order)
+    return (order if orders is None else orders.resume_order(order, spec)), 0

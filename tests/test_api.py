@@ -10,7 +10,7 @@ from tests.helpers.layers import circles, import_graph
 
 EXPECTED = {
     "__version__", "write_dataset", "DatasetWriter", "Manifest", "ShardInfo", "load_manifest", "open_store", "Store",
-    "NodeCache", "CacheHandle", "LRUPolicy", "ClairvoyantPolicy", "Schedule", "StreamingDataset", "DataLoader", "CachedDataset", "CacheConfig",
+    "NodeCache", "CacheHandle", "LRUPolicy", "ClairvoyantPolicy", "Schedule", "StreamingDataset", "DataLoader", "CachedDataset", "Stream", "CacheConfig",
     "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size", "DatacacheError", "StorageError",
     "TransientStorageError", "ThrottledError", "NotFoundError", "PermissionDeniedError", "ManifestError",
     "IntegrityError",
@@ -27,7 +27,7 @@ def test_all_is_guarded() -> None:
 def test_every_module_declares_all() -> None:
     for mod in ("datacache.cache", "datacache.config", "datacache.dataset", "datacache.errors", "datacache.eviction",
                 "datacache.manifest", "datacache.mapped", "datacache.plan", "datacache.prefetch", "datacache.resume",
-                "datacache.storage", "datacache.writer", "datacache.shards", "datacache.nodeplan", "datacache.congestion",
+                "datacache.storage", "datacache.writer", "datacache.shards", "datacache.nodeplan", "datacache.congestion", "datacache.streams",
                 "readers", "readers.codec"):
         m = importlib.import_module(mod)
         for name in m.__all__:

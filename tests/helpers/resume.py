@@ -153,7 +153,8 @@ def _run_rank(make_ds: Callable[..., Any], stage: Stage, r: int, prev: list[Any]
 
 
 def check_exactly_once(make_ds: Callable[..., Any], stages: Sequence[Stage], *, epoch: int = 0,
-                       loader_batch: int | None = None, loader: Callable[..., Any] | None = None) -> list[int]:
+                       loader_batch: int | None = None, loader: Callable[..., Any] | None = None,
+                       expected: Counter[int] | None = None) -> list[int]:
     """Run ``stages`` (each resuming from the one before; the last reads to the end) and check
     exactly once by counting: every sample is read, and the reads exceed the sample count by
     exactly the padding of the last plan (``drop_last=False``): that of the last stage that changed
@@ -161,6 +162,8 @@ def check_exactly_once(make_ds: Callable[..., Any], stages: Sequence[Stage], *, 
     interrupted stage must stop before any rank reaches its padding (the end of the last rank).
     ``loader_batch``: the StatefulDataLoader's ``batch_size`` (``None`` in batched mode);
     ``loader``: the loader class (default torchdata's ``StatefulDataLoader``; e.g. ``datacache.DataLoader``).
+    ``expected``: the sample ids an uninterrupted epoch reads, with their multiplicities (a mixed
+    dataset's repeats and subsets), checked instead of "every id below the sample count once".
     Every stage's rank states must agree (``common_state``): ranks save at the same step.
     Returns every sample id read, in order."""
     from datacache.resume import common_state
@@ -172,7 +175,7 @@ def check_exactly_once(make_ds: Callable[..., Any], stages: Sequence[Stage], *, 
         last = j == len(stages) - 1
         assert last == (stage.reads is None), "only the last stage reads to the end"
         if stage.layout != layout:
-            pad_base = total - len(set(seen)) if seen else None
+            pad_base = (total - (len(seen) if expected is not None else len(set(seen)))) if seen else None
             layout = stage.layout
         states = []
         for r in range(stage.dp_size):
@@ -185,9 +188,14 @@ def check_exactly_once(make_ds: Callable[..., Any], stages: Sequence[Stage], *, 
         if not last:
             common_state(states)  # lockstep ranks saved the same counts
         prev = states
+    counts = Counter(seen)
+    if expected is not None:
+        lost, extra = expected - counts, counts - expected
+        assert not lost, f"{sum(lost.values())} expected reads never made (e.g. {sorted(lost)[:5]})"
+        assert sum(extra.values()) == pad, f"{sum(extra.values())} reads beyond the epoch's, padding is {pad}: {extra}"
+        return seen
     missing = set(range(total)) - set(seen)
     assert not missing, f"{len(missing)} samples never read (e.g. {sorted(missing)[:5]})"
-    counts = Counter(seen)
     assert len(seen) - total == pad, (f"{len(seen)} reads of {total} samples: {len(seen) - total} duplicates, "
                                       f"padding accounts for {pad}; most repeated: {counts.most_common(3)}")
     return seen

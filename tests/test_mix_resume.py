@@ -1,0 +1,64 @@
+"""Resuming a mixed StreamingDataset in epoch 2 (repeats and a new subset drawn): the exact order
+at several midpoints, through StatefulDataLoader workers, and with another world size / worker
+count with exact counts, for every batching mode. Driven by tests.helpers.resume."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from datacache import NodeCache, StreamingDataset
+from tests.helpers.resume import Stage, _ids, check_exactly_once, check_resume
+from tests.helpers.mix import B, EPOCH, check_epoch, stream_of, streams, write_streams
+
+@pytest.fixture(scope="module")
+def stream_urls(s3_server: Any) -> list[str]:
+    return write_streams(s3_server)
+
+
+MODES = [("random", None), ("random", B), ("stratified", B), ("per_stream", B)]
+
+
+def factory(urls: list[str], opts: dict[str, Any], cache: NodeCache, batching: str, batch_size: int | None):
+    def make_ds(dp_rank: int = 0, dp_size: int = 1) -> StreamingDataset:
+        return StreamingDataset(streams=streams(urls, opts), epoch_size=EPOCH, batch_size=batch_size,
+                                batching=batching, cache=cache, seed=9, dp_rank=dp_rank, dp_size=dp_size)
+    return make_ds
+
+
+def stateful(workers: int, batch: int | None):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return lambda ds: StatefulDataLoader(ds, num_workers=workers, batch_size=None if batch else 4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batching, batch_size", MODES)
+def test_resume_epoch_two_exact_order(stream_urls: list[str], s3_storage_options: dict[str, Any],
+                                      cache: NodeCache, batching: str, batch_size: int | None) -> None:
+    make = factory(stream_urls, s3_storage_options, cache, batching, batch_size)
+    n = EPOCH if batch_size is None else len(make())
+    ref = check_resume(make, [0, 1, n // 3, n // 2 + 1, n - 1, (n // 4, n // 4)], epoch=2)
+    check_epoch([i for item in ref for i in (item if isinstance(item, tuple) else (item,))])
+    # through StatefulDataLoader with 2 workers (its state holds each worker's count)
+    check_resume(make, [1, 5, (2, 3)], epoch=2, make_loader=stateful(2, batch_size))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batching, batch_size", MODES)
+def test_resume_epoch_two_other_world_exact_counts(stream_urls: list[str], s3_storage_options: dict[str, Any],
+                                                   cache: NodeCache, batching: str, batch_size: int | None) -> None:
+    make = factory(stream_urls, s3_storage_options, cache, batching, batch_size)
+    ref = make()
+    ref.set_epoch(2)
+    expected = Counter(i for item in ref for i in _ids(item))
+    ref.close()
+    check_epoch(list(expected.elements()))
+    loader_batch = None if batch_size else 4
+    # 2 ranks x 2 StatefulDataLoader workers save mid-epoch 2 -> 3 ranks, 1 worker -> 1 rank, 2 workers
+    stages = [Stage(2, num_workers=2, reads=3), Stage(3, num_workers=1, reads=2, load="all"),
+              Stage(1, num_workers=2)]
+    seen = check_exactly_once(make, stages, epoch=2, loader_batch=loader_batch, expected=expected)
+    assert Counter(stream_of(i) for i in seen) == {s: c for s, c in
+                                                   Counter(stream_of(i) for i in expected.elements()).items()}
