@@ -30,10 +30,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tools import bench_mix  # noqa: E402
 from tools.bench_plots import charts, order_key, summarize_profile  # noqa: E402,F401 - bench.py uses it
 from tools.bench_text import NOTES, head_lines, machine_line, readme_block, replace_block  # noqa: E402,F401
 
 PEERS = ("streaming", "litdata")
+# rows that carry datacache's targets: its default, and the drop-in line (issue 15.6: "warm target
+# in both forms", torch's DataLoader over samples as well as datacache.DataLoader)
+TARGETED = ("datacache", "datacache+dropin")
 
 
 def _needed_bytes(scenario: str, epoch_index: int, D: int, C: int | None) -> int:
@@ -65,6 +69,8 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
     bad = next((r for r in recs if "aborted" in r), None)
     if bad is not None:
         return {"failed": f"aborted in epoch {bad['epoch'] + 1}: {bad['aborted']}", "aborted": True}
+    if sc == "mix":  # its own figures (per-stream counts, needed bytes): tools/bench_mix.py
+        return bench_mix.summary(recs)
     wall = sum(r["wall"] for r in m)
     needed = r0.get("predicted_remote") or [_needed_bytes(sc, i, D, C) for i in range(len(m))]
     link = sum(needed[:len(m)]) / r0["bandwidth"]
@@ -132,16 +138,18 @@ def n_cell(m: dict[str, Any]) -> str:
     return f"{m['n']} of {m['reps']} (failed: {m['failures'][0][:80]})"
 
 
-def versus(family: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> tuple[bool | None, str]:
+def versus(family: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]],
+           once: str = "every sample exactly once") -> tuple[bool | None, str]:
     """datacache against the family's fastest completed variant; None (no comparison) when none
-    completed every sample exactly once: a failed or lossy peer is never counted as beaten."""
+    completed every sample exactly once (``once``: what ``exactly_once`` means in the scenario): a
+    failed or lossy peer is never counted as beaten."""
     members = {name: p for name, p in peers.items() if name.split("+")[0] == family}
     if not members:
         return None, f"{family} not run"
     ok = {name: p for name, p in members.items() if "failed" not in p}
     fam = {name: p for name, p in ok.items() if p.get("exactly_once", 1) == 1}
     if not fam:
-        why = "not every sample exactly once" if ok else "; ".join(
+        why = f"not {once}" if ok else "; ".join(
             f"{name} failed" if not p.get("unavailable") else f"{name} unavailable" for name, p in members.items())
         return None, f"no comparison with {family} ({why})"
     name, best = min(fam.items(), key=lambda kv: kv[1]["wall"])
@@ -188,11 +196,14 @@ def targets(sc: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> st
     elif sc == "raw":
         frac = dc["gb_s"] / dc["memcpy_gb_s"]
         checks.append((frac >= 0.25, f"{100 * frac:.0f}% of memcpy (>=25%)"))
+    elif sc == "mix":
+        checks += bench_mix.checks(dc)
     elif sc == "shuffle":  # issue 14's targets; the speeds are side by side in the shuffle table
         checks += [(dc["warm_quality"] >= 0.95, f"warm quality {dc['warm_quality']:.2f} of random (>=0.95)"),
                    (dc["cold_after5"] >= 0.8, f"cold quality after the first 5 % >= {dc['cold_after5']:.2f} (>=0.8)")]
     if sc != "shuffle":
-        checks += [versus(family, dc, peers) for family in PEERS]
+        once = "every stream's count within one of p x epoch_size" if sc == "mix" else "every sample exactly once"
+        checks += [versus(family, dc, peers, once) for family in PEERS]
     ok = all(c for c, _ in checks if c is not None)
     return ("met: " if ok else "MISSED: ") + "; ".join(t if c is not False else f"**{t}**" for c, t in checks)
 
@@ -223,7 +234,7 @@ def table(meds: dict[tuple[str, str], dict[str, Any]], scenarios: list[str]) -> 
                 continue
             remote = " / ".join(f"{b / 1e6:.1f}" for b in m["remote"])
             q = f"{m['quality']:.2f}" if "quality" in m else "-"
-            tgt = targets(sc, m, peers) if s == "datacache" else ""
+            tgt = targets(sc, m, peers) if s in TARGETED else ""
             ratio = f"{m['wall'] / m['bound']:.2f}" if m["bound"] > 0 else "-"
             rows.append(f"| {sc} | {s} | {n_cell(m)} | {m['wall']:.2f} | {m['wait_pct']:.1f} | {m['first_batch']:.2f} "
                         f"| {q} | {remote} | {m['samples']:,.0f} | {_throughput(sc, m)} | {m['bound']:.2f} | {ratio} "
@@ -275,14 +286,29 @@ def shuffle_table(records: list[dict[str, Any]], curves: bool = True) -> str:
     return text
 
 
+OWN_TABLE = ("shuffle", "mix")  # scenarios with their own table (cold and warm apart)
+
+
+def mix_table(records: list[dict[str, Any]]) -> str:
+    """The mix scenario's table with its description line (tools/bench_mix.py)."""
+    runs = {s: reps for (sc, s), reps in runs_of(records).items() if sc == "mix"}
+    return bench_mix.describe(records) + "\n\n" + bench_mix.table(runs, failure, order_key)
+
+
 def write_report(out: str, records: list[dict[str, Any]], *, run: dict[str, Any]) -> str:
     """DIR/results.md (and the charts) from the records and the run's description; returns the text."""
     meds = medians(records)
     scenarios = list(dict.fromkeys(r["scenario"] for r in records if "scenario" in r))
-    main = [sc for sc in scenarios if sc != "shuffle"]  # shuffle: its own table (cold and warm apart)
-    text = "# datacache benchmark\n\n" + "\n".join(head_lines(run, scenarios)) + "\n\n" + table(meds, main) + "\n"
+    main = [sc for sc in scenarios if sc not in OWN_TABLE]
+    text = "# datacache benchmark\n\n" + "\n".join(head_lines(run, scenarios)) + "\n\n"
+    text += table(meds, main) + "\n" if main else ""
     if "shuffle" in scenarios:
         text += "\n## shuffle\n\n" + shuffle_table(records) + "\n"
+    if "mix" in scenarios:
+        text += "\n## mix\n\n" + mix_table(records) + "\n"
+        if ("mix", "datacache") in meds:
+            peers = {s: meds[("mix", s)] for s in systems_in(meds, "mix") if s.split("+")[0] in PEERS}
+            text += "\ndatacache's targets: " + targets("mix", meds[("mix", "datacache")], peers) + "\n"
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
     try:
@@ -296,12 +322,17 @@ def readme_tables(records: list[dict[str, Any]], run: dict[str, Any]) -> str:
     """The README's generated block: the run's description, the tables, datacache's targets."""
     meds = medians(records)
     scenarios = list(dict.fromkeys(r["scenario"] for r in records if "scenario" in r))
-    verdicts = {sc: targets(sc, meds[(sc, "datacache")], {s: meds[(sc, s)] for s in systems_in(meds, sc)
-                                                            if s.split("+")[0] in PEERS})
-                for sc in scenarios if (sc, "datacache") in meds}
+    verdicts = {}
+    for sc in scenarios:
+        peers = {s: meds[(sc, s)] for s in systems_in(meds, sc) if s.split("+")[0] in PEERS}
+        found = [s for s in TARGETED if (sc, s) in meds]
+        if found:
+            verdicts[sc] = "; ".join((f"{s}: " if s != "datacache" else "") + targets(sc, meds[(sc, s)], peers)
+                                     for s in found)
     shuffle = shuffle_table(records, curves=False) if "shuffle" in scenarios else ""
-    main = [sc for sc in scenarios if sc != "shuffle"]
-    return readme_block(run, scenarios, table(meds, main) if main else "", shuffle, verdicts)
+    main = [sc for sc in scenarios if sc not in OWN_TABLE]
+    return readme_block(run, scenarios, table(meds, main) if main else "", shuffle, verdicts,
+                        mix_table(records) if "mix" in scenarios else "")
 
 
 def progress_line(recs: list[dict[str, Any]]) -> str:
@@ -314,6 +345,7 @@ def progress_line(recs: list[dict[str, Any]]) -> str:
     storm = (f", {s['throttled']} requests throttled in a {s['storm']:.0f} s storm, "
              f"{'exactly once' if s['exactly_once'] else 'NOT exactly once'}") if "storm" in s else ""
     q = f", quality {s['quality']:.2f}" if "quality" in s else ""
+    q += f", per stream (delivered/expected): {s['counts']}" if "counts" in s else ""
     return (f"{head} wall {s['wall']:.2f} s (bound {s['bound']:.2f}), wait {s['wait_pct']:.1f}% (first batch "
             f"{s['first_batch']:.2f} s), remote {remote} MB, {s['samples_s']:,.0f} samples/s{q}{storm}")
 
