@@ -35,9 +35,6 @@ from tools.bench_plots import charts, order_key, summarize_profile  # noqa: E402
 from tools.bench_text import NOTES, head_lines, machine_line, readme_block, replace_block  # noqa: E402,F401
 
 PEERS = ("streaming", "litdata")
-# rows that carry datacache's targets: its default, and the drop-in line (issue 15.6: "warm target
-# in both forms", torch's DataLoader over samples as well as datacache.DataLoader)
-TARGETED = ("datacache", "datacache+dropin")
 
 
 def _needed_bytes(scenario: str, epoch_index: int, D: int, C: int | None) -> int:
@@ -234,7 +231,7 @@ def table(meds: dict[tuple[str, str], dict[str, Any]], scenarios: list[str]) -> 
                 continue
             remote = " / ".join(f"{b / 1e6:.1f}" for b in m["remote"])
             q = f"{m['quality']:.2f}" if "quality" in m else "-"
-            tgt = targets(sc, m, peers) if s in TARGETED else ""
+            tgt = targets(sc, m, peers) if s == "datacache" else ""
             ratio = f"{m['wall'] / m['bound']:.2f}" if m["bound"] > 0 else "-"
             rows.append(f"| {sc} | {s} | {n_cell(m)} | {m['wall']:.2f} | {m['wait_pct']:.1f} | {m['first_batch']:.2f} "
                         f"| {q} | {remote} | {m['samples']:,.0f} | {_throughput(sc, m)} | {m['bound']:.2f} | {ratio} "
@@ -322,13 +319,9 @@ def readme_tables(records: list[dict[str, Any]], run: dict[str, Any]) -> str:
     """The README's generated block: the run's description, the tables, datacache's targets."""
     meds = medians(records)
     scenarios = list(dict.fromkeys(r["scenario"] for r in records if "scenario" in r))
-    verdicts = {}
-    for sc in scenarios:
-        peers = {s: meds[(sc, s)] for s in systems_in(meds, sc) if s.split("+")[0] in PEERS}
-        found = [s for s in TARGETED if (sc, s) in meds]
-        if found:
-            verdicts[sc] = "; ".join((f"{s}: " if s != "datacache" else "") + targets(sc, meds[(sc, s)], peers)
-                                     for s in found)
+    verdicts = {sc: targets(sc, meds[(sc, "datacache")], {s: meds[(sc, s)] for s in systems_in(meds, sc)
+                                                            if s.split("+")[0] in PEERS})
+                for sc in scenarios if (sc, "datacache") in meds}
     shuffle = shuffle_table(records, curves=False) if "shuffle" in scenarios else ""
     main = [sc for sc in scenarios if sc not in OWN_TABLE]
     return readme_block(run, scenarios, table(meds, main) if main else "", shuffle, verdicts,
