@@ -194,3 +194,57 @@ def test_bench_shuffle_scenario_and_readme_regeneration_tiny(tmp_path: Path) -> 
                             str(tmp_path / "README.md")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert regen.returncode == 0, regen.stderr[-3000:]
     assert (tmp_path / "README.md").read_text() == block
+
+
+@pytest.mark.timeout(960)  # a hang guard for a run of ~1 min on an idle machine
+def test_bench_mix_scenario_and_dropin_variant_tiny(tmp_path: Path) -> None:
+    """The mix scenario (issue 15.8) for datacache: three datasets (61, 37, 24 samples) mixed
+    0.4/0.3/0.3 of an epoch of 122, a cold epoch then a warm one: every epoch gives each stream
+    exactly round(p x 122) samples (49 of 61 distinct; 37 once; 36 from 24, each once or twice),
+    the cold epoch's bytes are the drawn samples' (plus at most one shard of the subsampled
+    stream), the warm epoch's none; and the warm scenario's dropin variant (torch's DataLoader over
+    samples) beside the default, every sample once from the cache."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--systems", "datacache",
+           "--variants", "default,dropin", "--scenario", "mix,warm", "--size", "2MB", "--shard-bytes", "128KB",
+           "--sample-bytes", "16KiB", "--bandwidth", "4MB", "--latency", "0.002", "--compute", "0.001",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    mix = {r["phase"]: r for r in lines if r["scenario"] == "mix"}
+    assert set(mix) == {"cold", "warm"} and all(r["system"] == "datacache" for r in mix.values())
+    m = mix["cold"]["mix"]
+    assert m["sizes"] == [61, 37, 24] and m["expected"] == [49, 37, 36] and m["epoch_size"] == 122
+    for r in mix.values():
+        assert r["stream_samples"] == [49, 37, 36] and r["samples"] == 122
+        assert r["stream_unique"] == [49, 37, 24] and r["stream_max_copies"] == [1, 1, 2]
+    assert m["needed"] <= mix["cold"]["remote_bytes"] <= m["needed"] + 128_000 + 16_384
+    assert mix["warm"]["remote_bytes"] == 0
+    warm = {r["system"]: r for r in lines if r["scenario"] == "warm" and r["phase"] == "measured"}
+    assert set(warm) == {"datacache", "datacache+dropin"}
+    for r in warm.values():
+        assert r["unique_samples"] == r["samples"] == r["n"] and r["remote_bytes"] == 0 and r["batch_size"] == 32
+    report = (out / "results.md").read_text()
+    assert "## mix" in report
+    assert "| datacache | 1 | cold | 49/49 · 37/37 · 36/36 | 49 · 37 · 24 | 1 · 1 · 2 |" in report
+    assert "datacache's targets: " in report and "every stream's count exact in both epochs" in report
+    assert "| warm | datacache+dropin | 1 |" in report
+
+
+def test_mix_counts_per_stream_and_the_rounding_a_peer_may_use() -> None:
+    """tools/bench_mix: ids counted per stream (delivered, distinct, most copies); the expected
+    counts are the largest-remainder rounding of 0.4/0.3/0.3 x 2441 (977, 732, 732, the quick
+    run's), and a peer's other rounding that keeps the sum (Streaming's 976, 732, 733) counts as
+    exact while LitData's early stop (662, 522, 488) does not."""
+    from tools.bench_mix import StreamCounts, expected, layout, within_one
+
+    assert layout(2441) == [(0, 1221), (1221, 732), (1953, 488)]
+    assert expected([1221, 732, 488]) == [977, 732, 732]
+    assert within_one([977, 732, 732], 2441) and within_one([976, 732, 733], 2441)
+    assert not within_one([662, 522, 488], 2441) and not within_one([975, 733, 733], 2441)
+    counts = StreamCounts([0, 5, 8, 10])
+    counts.add([0, 1, 1, 9])
+    counts.add([8, 9, 9, 4])
+    assert counts.summary() == {"stream_samples": [4, 0, 4], "stream_unique": [3, 0, 2],
+                                "stream_max_copies": [2, 0, 3]}

@@ -1,7 +1,7 @@
 """datacache against its peers on one emulated WAN link: ``python tools/bench.py --out DIR``.
 
-    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle,nodes,shuffle]
-                          [--systems datacache,streaming,litdata,fsspec] [--variants default,tuned,matched]
+    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle,nodes,shuffle,mix]
+                          [--systems datacache,streaming,litdata,fsspec] [--variants default,tuned,matched,dropin]
                           [--reps 3] [--storm 30] [--profile SCENARIO] [--readme README.md] --out DIR
 
 Install: ``pip install -c constraints.txt -e '.[bench]'`` (constraints.txt pins the installed torch,
@@ -36,6 +36,11 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
 - shuffle: a cold epoch from an empty cache, then a warm epoch from the cache it filled, every
   system side by side: shuffle quality (overall, and per 5 % of the cold epoch), first-batch time,
   wall time and remote bytes of each epoch (its own table in the report).
+- mix: three datasets of 50 / 30 / 20 % of D (each its own prefix, in each system's format) mixed by
+  proportion 0.4 / 0.3 / 0.3 of an epoch of their total (one subsampled, one once, one repeated
+  1.5 x), a cold epoch then a warm one, through each system's mixing API: samples per stream
+  against expected, remote bytes against the drawn samples' bytes (``tools/bench_mix.py``; its own
+  table in the report).
 
 Equal terms: every system gets the same batch size, DataLoader workers and
 ``persistent_workers=True``, each through its documented loader (``tools/bench_systems.py``); the
@@ -50,7 +55,9 @@ over the same for a uniform random permutation, on class-sorted data (the sample
 id order; class = id x 100 // n: ``tools/bench_quality.py``). Matched quality (``--variants``
 ``matched``): ``streaming+match-datacache`` (py1e blocks of datacache's window of shards),
 ``datacache+match-streaming`` (window = every shard) and ``datacache+match-litdata`` (window 1);
-LitData has no knob that mixes across its chunks.
+LitData has no knob that mixes across its chunks. ``datacache+dropin`` (warm only): the drop-in
+line, ``torch.utils.data.DataLoader(StreamingDataset(url), batch_size=B)`` over samples, beside
+the default ``datacache.DataLoader(ds, batch_size=B)``. The mix scenario runs the default variants only.
 
 A failed or aborted repetition stays in ``results.jsonl`` with its cause; the tables print n
 (repetitions completed of run) per cell and show a system none of whose repetitions completed as
@@ -85,22 +92,22 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from datacache.config import parse_size  # noqa: E402
-from tools import bench_nodes, bench_report  # noqa: E402
+from tools import bench_mix, bench_nodes, bench_report  # noqa: E402
 from tools.bench_launch import Meter, launch, memcpy_rate  # noqa: E402
 from tools.bench_text import describe_run  # noqa: E402
+from tools.bench_write import ensure_datasets  # noqa: E402
 from tools.bench_quality import pooled  # noqa: E402
 
 SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 # "tuned": a peer's one documented speed setting; "match-*": tuned through its documented shuffle
-# knobs to about the named system's shuffle quality (tools/bench_systems.py), run in MATCHED only
-VARIANTS = {"datacache": ("default", "match-streaming", "match-litdata"),
+# knobs to about the named system's shuffle quality (tools/bench_systems.py), run in MATCHED only;
+# "dropin": datacache through a plain torch DataLoader over samples, run in DROPIN only
+VARIANTS = {"datacache": ("default", "dropin", "match-streaming", "match-litdata"),
             "streaming": ("default", "tuned", "match-datacache"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
 MATCHED = ("cold", "warm", "shuffle")
-SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes", "shuffle")
-# A new tag when a system's written format changes, so DIR/s3 never serves a stale layout
-# (datacache: incompressible blocks stored raw since the raw-block format).
-FORMAT_TAGS = {"datacache": "datacache-rawblocks"}
+DROPIN = ("warm",)
+SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes", "shuffle", "mix")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -109,8 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="160 MB (small: 20 MB), 1 rep: about 5 minutes")
     p.add_argument("--scenario", default=",".join(SCENARIOS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--variants", default="default,tuned,matched",
-                   help="settings to run: default, tuned, matched (the match-* variants, in cold, warm, shuffle)")
+    p.add_argument("--variants", default="default,tuned,matched,dropin",
+                   help="settings to run: default, tuned, matched (the match-* variants, in cold, warm, shuffle), "
+                        "dropin (datacache over samples through torch's DataLoader, in warm)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
     p.add_argument("--size", help="dataset size (default 500MB; 160MB with --quick)")
     p.add_argument("--small-size", help="1 KiB-sample dataset size (default 100MB; 20MB with --quick)")
@@ -173,7 +181,18 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
         sc["phases"], sc["nodes"] = ["measured"] * 3, a.nodes
     if name == "shuffle":
         sc["phases"] = ["cold", "warm"]  # from an empty cache, then from the cache it filled
+    if name == "mix":
+        sc["phases"], sc["dataset"] = list(bench_mix.PHASES), "mix"
     return sc
+
+
+def runs_in(variant: str, scenario_name: str) -> bool:
+    """Whether a variant runs in a scenario: match-* in MATCHED, dropin in DROPIN, the mix default only."""
+    if variant.startswith("match-"):
+        return scenario_name in MATCHED
+    if variant == "dropin":
+        return scenario_name in DROPIN
+    return scenario_name != "mix" or variant == "default"
 
 
 def storm_watch(link: Any, sc: dict[str, Any], D: int) -> tuple[threading.Event, threading.Thread, list]:
@@ -211,38 +230,6 @@ def storm_figures(link: Any, storm: float, timeline: list, bandwidth: float) -> 
     return out
 
 
-# ---------------------------------------------------------------- datasets
-def ensure_datasets(a: argparse.Namespace, server: Any, systems: list[str], datasets: list[str]) -> dict[str, Any]:
-    """Write each needed (system format, dataset) once; returns {(system, dataset): info or unavailable}."""
-    import s3fs
-
-    opts = server.storage_options()
-    fs = s3fs.S3FileSystem(key=opts["key"], secret=opts["secret"], client_kwargs=opts["client_kwargs"])
-    out: dict[str, Any] = {}
-    for ds in datasets:
-        total, sb = (a.small_size, a.small_sample_bytes) if ds == "small" else (a.size, a.sample_bytes)
-        n = total // sb
-        for system in systems:
-            fmt = "datacache" if system == "fsspec" else system
-            key = f"{fmt}/{ds}"
-            if key not in out:
-                prefix = f"{server.bucket}/{FORMAT_TAGS.get(fmt, fmt)}-{n}x{sb}-{a.shard_bytes}"
-                meta_path = f"{prefix}/bench-meta.json"
-                if fs.exists(meta_path):
-                    info = json.loads(fs.cat_file(meta_path))
-                else:
-                    print(f"writing {n} samples of {sb} B as {fmt} to s3://{prefix}/ ...", flush=True)
-                    spec = {"system": fmt, "n": n, "sample_bytes": sb, "shard_bytes": a.shard_bytes,
-                            "url": f"s3://{prefix}/", "storage_options": opts, "tmp": a.tmp}
-                    info = launch("write", spec, os.path.join(a.tmp, f"write-{fmt}-{ds}"), timeout=1800)
-                    if "bytes" in info:
-                        info.update(n=n, sample_bytes=sb, url=f"s3://{prefix}/")
-                        fs.pipe_file(meta_path, json.dumps(info).encode())
-                out[key] = info
-            out[f"{system}/{ds}"] = out[key]
-    return out
-
-
 # ---------------------------------------------------------------- the runs
 def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: str, sc: dict[str, Any], rep: int,
             profile: str | None = None) -> list[dict[str, Any]]:
@@ -276,6 +263,8 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
             "max_epoch_bytes": 8 * D,
             "env": {"S3_ENDPOINT_URL": link.endpoint_url, "AWS_ACCESS_KEY_ID": opts["key"],
                     "AWS_SECRET_ACCESS_KEY": opts["secret"], "AWS_DEFAULT_REGION": "us-east-1"}}
+    if "streams" in info:  # the mix scenario
+        spec.update(bench_mix.spec_part(info))
     wrap = None
     if profile:
         spec["profile"] = profile
@@ -314,6 +303,8 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
               "run_remote_bytes": run_bytes, "run_seconds": time.time() - t0}
     if sc.get("storm"):
         common.update(storm_figures(link, sc["storm"], storm_timeline, a.bandwidth))
+    if "streams" in info:
+        common.update(bench_mix.record_part(info))
     if sc["name"] == "nodes":
         common.update(nodes=sc["nodes"], predicted_remote=_predicted_nodes(info, sc, ctx["server"].storage_options()))
     out = []
@@ -380,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             order = variants[rep % len(variants):] + variants[:rep % len(variants)]
             for sc in scs:
                 for system, variant in order:
-                    if variant.startswith("match-") and sc["name"] not in MATCHED:
+                    if not runs_in(variant, sc["name"]):
                         continue
                     recs = run_one(a, ctx, system, variant, sc, rep)
                     records += recs

@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tools import bench_mix  # noqa: E402
 from tools.bench_plots import charts, order_key, summarize_profile  # noqa: E402,F401 - bench.py uses it
 from tools.bench_text import NOTES, head_lines, machine_line, readme_block, replace_block  # noqa: E402,F401
 
@@ -65,6 +66,8 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
     bad = next((r for r in recs if "aborted" in r), None)
     if bad is not None:
         return {"failed": f"aborted in epoch {bad['epoch'] + 1}: {bad['aborted']}", "aborted": True}
+    if sc == "mix":  # its own figures (per-stream counts, needed bytes): tools/bench_mix.py
+        return bench_mix.summary(recs)
     wall = sum(r["wall"] for r in m)
     needed = r0.get("predicted_remote") or [_needed_bytes(sc, i, D, C) for i in range(len(m))]
     link = sum(needed[:len(m)]) / r0["bandwidth"]
@@ -132,16 +135,18 @@ def n_cell(m: dict[str, Any]) -> str:
     return f"{m['n']} of {m['reps']} (failed: {m['failures'][0][:80]})"
 
 
-def versus(family: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> tuple[bool | None, str]:
+def versus(family: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]],
+           once: str = "every sample exactly once") -> tuple[bool | None, str]:
     """datacache against the family's fastest completed variant; None (no comparison) when none
-    completed every sample exactly once: a failed or lossy peer is never counted as beaten."""
+    completed every sample exactly once (``once``: what ``exactly_once`` means in the scenario): a
+    failed or lossy peer is never counted as beaten."""
     members = {name: p for name, p in peers.items() if name.split("+")[0] == family}
     if not members:
         return None, f"{family} not run"
     ok = {name: p for name, p in members.items() if "failed" not in p}
     fam = {name: p for name, p in ok.items() if p.get("exactly_once", 1) == 1}
     if not fam:
-        why = "not every sample exactly once" if ok else "; ".join(
+        why = f"not {once}" if ok else "; ".join(
             f"{name} failed" if not p.get("unavailable") else f"{name} unavailable" for name, p in members.items())
         return None, f"no comparison with {family} ({why})"
     name, best = min(fam.items(), key=lambda kv: kv[1]["wall"])
@@ -188,11 +193,14 @@ def targets(sc: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]]) -> st
     elif sc == "raw":
         frac = dc["gb_s"] / dc["memcpy_gb_s"]
         checks.append((frac >= 0.25, f"{100 * frac:.0f}% of memcpy (>=25%)"))
+    elif sc == "mix":
+        checks += bench_mix.checks(dc)
     elif sc == "shuffle":  # issue 14's targets; the speeds are side by side in the shuffle table
         checks += [(dc["warm_quality"] >= 0.95, f"warm quality {dc['warm_quality']:.2f} of random (>=0.95)"),
                    (dc["cold_after5"] >= 0.8, f"cold quality after the first 5 % >= {dc['cold_after5']:.2f} (>=0.8)")]
     if sc != "shuffle":
-        checks += [versus(family, dc, peers) for family in PEERS]
+        once = "every stream's count within one of p x epoch_size" if sc == "mix" else "every sample exactly once"
+        checks += [versus(family, dc, peers, once) for family in PEERS]
     ok = all(c for c, _ in checks if c is not None)
     return ("met: " if ok else "MISSED: ") + "; ".join(t if c is not False else f"**{t}**" for c, t in checks)
 
@@ -275,14 +283,29 @@ def shuffle_table(records: list[dict[str, Any]], curves: bool = True) -> str:
     return text
 
 
+OWN_TABLE = ("shuffle", "mix")  # scenarios with their own table (cold and warm apart)
+
+
+def mix_table(records: list[dict[str, Any]]) -> str:
+    """The mix scenario's table with its description line (tools/bench_mix.py)."""
+    runs = {s: reps for (sc, s), reps in runs_of(records).items() if sc == "mix"}
+    return bench_mix.describe(records) + "\n\n" + bench_mix.table(runs, failure, order_key)
+
+
 def write_report(out: str, records: list[dict[str, Any]], *, run: dict[str, Any]) -> str:
     """DIR/results.md (and the charts) from the records and the run's description; returns the text."""
     meds = medians(records)
     scenarios = list(dict.fromkeys(r["scenario"] for r in records if "scenario" in r))
-    main = [sc for sc in scenarios if sc != "shuffle"]  # shuffle: its own table (cold and warm apart)
-    text = "# datacache benchmark\n\n" + "\n".join(head_lines(run, scenarios)) + "\n\n" + table(meds, main) + "\n"
+    main = [sc for sc in scenarios if sc not in OWN_TABLE]
+    text = "# datacache benchmark\n\n" + "\n".join(head_lines(run, scenarios)) + "\n\n"
+    text += table(meds, main) + "\n" if main else ""
     if "shuffle" in scenarios:
         text += "\n## shuffle\n\n" + shuffle_table(records) + "\n"
+    if "mix" in scenarios:
+        text += "\n## mix\n\n" + mix_table(records) + "\n"
+        if ("mix", "datacache") in meds:
+            peers = {s: meds[("mix", s)] for s in systems_in(meds, "mix") if s.split("+")[0] in PEERS}
+            text += "\ndatacache's targets: " + targets("mix", meds[("mix", "datacache")], peers) + "\n"
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
     try:
@@ -300,8 +323,9 @@ def readme_tables(records: list[dict[str, Any]], run: dict[str, Any]) -> str:
                                                             if s.split("+")[0] in PEERS})
                 for sc in scenarios if (sc, "datacache") in meds}
     shuffle = shuffle_table(records, curves=False) if "shuffle" in scenarios else ""
-    main = [sc for sc in scenarios if sc != "shuffle"]
-    return readme_block(run, scenarios, table(meds, main) if main else "", shuffle, verdicts)
+    main = [sc for sc in scenarios if sc not in OWN_TABLE]
+    return readme_block(run, scenarios, table(meds, main) if main else "", shuffle, verdicts,
+                        mix_table(records) if "mix" in scenarios else "")
 
 
 def progress_line(recs: list[dict[str, Any]]) -> str:
@@ -314,6 +338,7 @@ def progress_line(recs: list[dict[str, Any]]) -> str:
     storm = (f", {s['throttled']} requests throttled in a {s['storm']:.0f} s storm, "
              f"{'exactly once' if s['exactly_once'] else 'NOT exactly once'}") if "storm" in s else ""
     q = f", quality {s['quality']:.2f}" if "quality" in s else ""
+    q += f", per stream (delivered/expected): {s['counts']}" if "counts" in s else ""
     return (f"{head} wall {s['wall']:.2f} s (bound {s['bound']:.2f}), wait {s['wait_pct']:.1f}% (first batch "
             f"{s['first_batch']:.2f} s), remote {remote} MB, {s['samples_s']:,.0f} samples/s{q}{storm}")
 

@@ -18,7 +18,9 @@ the system's documented shuffle knobs toward X's shuffle quality):
 - ``datacache``: its documented usage, ``datacache.DataLoader(ds, batch_size=B)``, which puts the
   dataset in batched mode (batches are collated in the worker into a shared-memory ring and cross
   to the main process without a copy; see ``datacache._batches``). match-streaming:
-  ``window`` = every shard of the dataset; match-litdata: ``window=1`` (one shard run at a time).
+  ``window`` = every shard of the dataset; match-litdata: ``window=1`` (one shard run at a time);
+  dropin (warm only): the drop-in line, ``torch.utils.data.DataLoader(StreamingDataset(url),
+  batch_size=B)`` over samples (torch's per-sample path), beside the default.
 - ``streaming`` (mosaicml-streaming): MDS shards (``MDSWriter``, no compression), S3 through boto3
   (``S3_ENDPOINT_URL``); tuned: ``predownload`` = 4 shards of samples per worker (default 8 x batch),
   or, with a cache limit C, ``shuffle_block_size`` = the samples of C/2 (the default py1e blocks of
@@ -43,6 +45,7 @@ the system's documented shuffle knobs toward X's shuffle quality):
   (``.litdata_cache_slots``, ``reader._acquire_cache_slot``) counts more chunks than are on disk
   (16 slots used, 14 chunk files, seen at 500 MB), so no further chunk may download and a worker
   raises ``ChunkWaitTimeoutError`` after 120 s: shown as failed.
+- the mix scenario: each system's mixing API, in ``tools/bench_mix.py``.
 - ``fsspec``: the no-cache baseline: the datacache shards read whole with s3fs (one ``cat_file``
   per shard, no prefetch, no cache: the shard bytes are decoded and dropped), shard order shuffled
   per epoch, samples shuffled within a shard.
@@ -67,7 +70,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools import bench_nodes  # noqa: E402
+from tools import bench_mix, bench_nodes  # noqa: E402
 from tools.bench_quality import BatchQuality  # noqa: E402
 from tools.bench_write import _s3fs, write  # noqa: E402
 
@@ -131,6 +134,15 @@ def loader_kw(spec: dict[str, Any]) -> dict[str, Any]:
     return {"num_workers": sc["workers"], "persistent_workers": persistent}
 
 
+def _streaming_ready(ds: Any) -> None:
+    """Fork safety for a Streaming dataset (see the module docstring): drop the boto3 client that
+    downloaded ``index.json``, so each forked worker opens its own connections."""
+    for stream in ds.streams:
+        downloader = getattr(stream, "_downloader", None)
+        if getattr(downloader, "_s3_client", None) is not None:
+            downloader._s3_client = None
+
+
 def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[], dict[str, Any]], Callable[[], None]]:
     """(loader, set_epoch, stats, close) for the spec's system, variant and scenario; every loader
     gets ``loader_kw(spec)`` and the scenario's batch size."""
@@ -138,6 +150,8 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
     bs, cache_dir, C, lkw = sc["batch_size"], spec["cache_dir"], sc.get("cache_bytes"), loader_kw(spec)
     import torch.utils.data as tud
 
+    if spec.get("streams"):  # the mix scenario: tools/bench_mix.py
+        return bench_mix.build(spec, lkw, _streaming_ready)
     if system == "datacache":
         import datacache
 
@@ -147,7 +161,10 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
                   "match-streaming": {"window": spec.get("shards", 1)}}.get(variant, {})  # every shard
         ds = datacache.StreamingDataset(spec["url"], storage_options=spec["storage_options"], cache=cfg,
                                         shuffle=True, seed=0, **window)
-        loader = datacache.DataLoader(ds, batch_size=bs, **lkw)  # the README's line: batched mode
+        if variant == "dropin":  # the line users write first: torch's DataLoader over samples
+            loader = tud.DataLoader(ds, batch_size=bs, **lkw)
+        else:
+            loader = datacache.DataLoader(ds, batch_size=bs, **lkw)  # the README's line: batched mode
         return loader, ds.set_epoch, ds.stats, ds.close
     if system == "streaming":
         import streaming
@@ -169,10 +186,7 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
         kw.update(bench_nodes.loader_kwargs(system, sc))
         ds = streaming.StreamingDataset(remote=spec["url"], local=os.path.join(cache_dir, "local"), shuffle=True,
                                         shuffle_seed=0, batch_size=bs, **kw)
-        for stream in ds.streams:  # fork safety, see the module docstring
-            downloader = getattr(stream, "_downloader", None)
-            if getattr(downloader, "_s3_client", None) is not None:
-                downloader._s3_client = None
+        _streaming_ready(ds)
         loader = tud.DataLoader(ds, batch_size=bs, **lkw)
         return loader, lambda e: None, lambda: {}, lambda: None
     if system == "litdata":
@@ -249,17 +263,19 @@ def _batch_ids(batch: Any) -> list[int]:
 
 
 def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[], None],
-              max_bytes: float = float("inf"), n: int = 0) -> dict[str, Any]:
+              max_bytes: float = float("inf"), n: int = 0, bounds: list[int] | None = None) -> dict[str, Any]:
     """One epoch: wall, data wait (time in ``next``, worker start-up included: ``startup`` is the
     time in ``iter(loader)``), remote bytes at the proxy, shuffle quality of the batches on the
-    class-sorted ``n`` samples (``tools/bench_quality.py``). Stops early ("aborted") once the epoch
-    has pulled more than ``max_bytes`` (thrashing)."""
+    class-sorted ``n`` samples (``tools/bench_quality.py``), with a mix's stream ``bounds`` the
+    samples per stream (``bench_mix.StreamCounts``). Stops early ("aborted") once the epoch has
+    pulled more than ``max_bytes`` (thrashing)."""
     barrier()
     m0 = meter(meter_url)
     t0 = time.perf_counter()
     wait, first, aborted = 0.0, None, None
     batches = samples = 0
     it, startup, quality, head = None, 0.0, BatchQuality(n) if n else None, None
+    per_stream = bench_mix.StreamCounts(bounds) if bounds else None
     stop, tripped, timeline, arrivals, seen = threading.Event(), [], [], [], set()
 
     def watchdog() -> None:  # samples the link; interrupts the loop (even in next()) once the epoch
@@ -298,6 +314,8 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
             seen.update(ids)
             if quality is not None:
                 quality.add(ids)
+            if per_stream is not None:
+                per_stream.add(ids)
             batches += 1
             if compute:
                 time.sleep(compute)  # the simulated training step
@@ -315,6 +333,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
             "batches": batches, "samples": samples, "unique_samples": len(seen), "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
             "requests": m1["requests"] - m0["requests"], "link_timeline": timeline, "batch_times": arrivals,
             "startup": startup, "first_ids": head, **(quality.summary() if quality is not None else {}),
+            **(per_stream.summary() if per_stream is not None else {}),
             **({"aborted": aborted} if aborted else {})}
 
 
@@ -349,7 +368,7 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
             if prof is not None and measured:
                 prof.start()
             rec = run_epoch(loader, sc["compute"] if measured else 0.0, spec["meter_url"], barrier,
-                            spec.get("max_epoch_bytes") or float("inf"), spec.get("n", 0))
+                            spec.get("max_epoch_bytes") or float("inf"), spec.get("n", 0), spec.get("stream_bounds"))
             if prof is not None and measured:
                 prof.stop()
             rec.update(epoch=e, phase=phase, stats=_jsonable(stats()))

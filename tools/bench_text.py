@@ -36,6 +36,9 @@ NOTES = {
     "throttle": "the `match-*` variants are not run.",
     "nodes": "the `match-*` variants are not run.",
     "shuffle": "none: a cold epoch from an empty cache, then a warm epoch from the cache it filled, every system.",
+    "mix": "each system through its own mixing API (tools/bench_mix.py), default settings only; LitData's "
+           "`CombinedStreamingDataset(weights=)` has no epoch size, repeat or subsample (it ends the epoch when a "
+           "stream runs out), so its counts are what that gives; fsspec has no mixing (not run).",
 }
 
 VARIANTS = (
@@ -45,7 +48,9 @@ VARIANTS = (
     "x samples per shard (Streaming's documented shuffle knobs, toward datacache's quality); "
     "`datacache+match-streaming`: `window` = every shard (toward Streaming's); `datacache+match-litdata`: "
     "`window=1` (toward LitData's). LitData has no knob that mixes across chunks (its `item_shuffle_window` "
-    "orders items inside a chunk), so it is not tuned toward datacache's quality.")
+    "orders items inside a chunk), so it is not tuned toward datacache's quality. `datacache+dropin` (warm): the "
+    "drop-in line `torch.utils.data.DataLoader(StreamingDataset(url), batch_size=B)` over samples, beside the "
+    "default `datacache.DataLoader(ds, batch_size=B)`.")
 
 QUALITY = (
     "Quality: mean distinct classes per batch over the same for a uniform random permutation (computed exactly for "
@@ -95,7 +100,7 @@ def head_lines(run: dict[str, Any], scenarios: list[str]) -> list[str]:
 
 
 def readme_block(run: dict[str, Any], scenarios: list[str], table: str, shuffle: str,
-                 verdicts: dict[str, str]) -> str:
+                 verdicts: dict[str, str], mix: str = "") -> str:
     """The README's generated block; every figure in it comes from the tables it holds."""
     parts = [BEGIN, "",
              f"`{run.get('command', '?')}` at commit {run.get('commit', '?')} ({run.get('date', '?')}; "
@@ -107,6 +112,8 @@ def readme_block(run: dict[str, Any], scenarios: list[str], table: str, shuffle:
     parts += ["", VARIANTS, "", QUALITY, ""] + ([table, ""] if table else [])
     if shuffle:
         parts += ["**Shuffle quality, cold and warm** (the `shuffle` scenario; class-sorted data):", "", shuffle, ""]
+    if mix:
+        parts += ["**Mixed datasets, cold and warm** (the `mix` scenario):", "", mix, ""]
     parts += ["datacache's targets, per scenario (from the table):", ""]
     parts += [f"- {sc}: {verdicts[sc]}" for sc in scenarios if sc in verdicts]
     parts += ["", END]

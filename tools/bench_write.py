@@ -1,16 +1,26 @@
-"""The benchmark's datasets: the same samples written in each system's own format (used by
-``tools/bench_systems.py write``, after it imported the system's package). Samples are written in
+"""The benchmark's datasets: the same samples written in each system's own format (``write``, used by
+``tools/bench_systems.py write``, after it imported the system's package; ``ensure_datasets``, used
+by ``tools/bench.py``, writes each one once under the server's bucket). Samples are written in
 id order by one writer process, so the write position is the sample id: the class-sorted data of
 ``tools/bench_quality.py``.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 import tempfile
 from typing import Any
 
 import numpy as np
+
+from tools import bench_mix
+from tools.bench_launch import launch
+
+# A new tag when a system's written format changes, so DIR/s3 never serves a stale layout
+# (datacache: incompressible blocks stored raw since the raw-block format).
+FORMAT_TAGS = {"datacache": "datacache-rawblocks"}
 
 
 # ---------------------------------------------------------------- samples (the same for every system)
@@ -39,12 +49,57 @@ def _upload_dir(local: str, url: str, opts: dict[str, Any]) -> None:
             fs.put_file(path, f"{prefix}/{os.path.relpath(path, local)}")
 
 
-# ---------------------------------------------------------------- writers
+# ---------------------------------------------------------------- the datasets of a run (tools/bench.py)
+def ensure_datasets(a: argparse.Namespace, server: Any, systems: list[str], datasets: list[str]) -> dict[str, Any]:
+    """Write each needed (system format, dataset) once; returns {(system, dataset): info or unavailable}."""
+    opts = server.storage_options()
+    fs = _s3fs(opts)
+    out: dict[str, Any] = {}
+    for ds in datasets:
+        total, sb = (a.small_size, a.small_sample_bytes) if ds == "small" else (a.size, a.sample_bytes)
+        n = total // sb
+        for system in systems:
+            fmt = "datacache" if system == "fsspec" else system
+            key = f"{fmt}/{ds}"
+            base = f"{server.bucket}/{FORMAT_TAGS.get(fmt, fmt)}"
+            if key in out:
+                pass
+            elif ds == "mix":  # three datasets, consecutive ids: tools/bench_mix.py
+                out[key] = bench_mix.dataset(n, lambda k, first, m: _dataset(
+                    a, fs, opts, fmt, f"{base}-mix{k}-{first}+{m}x{sb}-{a.shard_bytes}", m, sb, f"{ds}{k}", first))
+            else:
+                out[key] = _dataset(a, fs, opts, fmt, f"{base}-{n}x{sb}-{a.shard_bytes}", n, sb, ds)
+            out[f"{system}/{ds}"] = out[key]
+            if ds == "mix" and system in bench_mix.UNAVAILABLE:
+                out[f"{system}/{ds}"] = {"unavailable": bench_mix.UNAVAILABLE[system]}
+    return out
+
+
+def _dataset(a: argparse.Namespace, fs: Any, opts: dict[str, Any], fmt: str, prefix: str, n: int, sb: int,
+             label: str, first: int = 0) -> dict[str, Any]:
+    """The info of ``n`` samples (ids from ``first``) of ``sb`` B in format ``fmt`` at ``s3://prefix/``,
+    written there unless its bench-meta.json says it already is."""
+    meta_path = f"{prefix}/bench-meta.json"
+    if fs.exists(meta_path):
+        return json.loads(fs.cat_file(meta_path))
+    print(f"writing {n} samples of {sb} B as {fmt} to s3://{prefix}/ ...", flush=True)
+    spec = {"system": fmt, "n": n, "first": first, "sample_bytes": sb, "shard_bytes": a.shard_bytes,
+            "url": f"s3://{prefix}/", "storage_options": opts, "tmp": a.tmp}
+    info = launch("write", spec, os.path.join(a.tmp, f"write-{fmt}-{label}"), timeout=1800)
+    if "bytes" in info:
+        info.update(n=n, sample_bytes=sb, url=f"s3://{prefix}/")
+        fs.pipe_file(meta_path, json.dumps(info).encode())
+    return info
+
+
+# ---------------------------------------------------------------- writers (in the runner)
 def write(spec: dict[str, Any]) -> dict[str, Any]:
-    """Write ``spec["n"]`` samples at ``spec["url"]`` in ``spec["system"]``'s format; returns its bytes."""
+    """Write ``spec["n"]`` samples (ids ``spec["first"]`` (0) on) at ``spec["url"]`` in ``spec["system"]``'s
+    format; returns its bytes."""
     system, n, side, shard = spec["system"], spec["n"], sample_side(spec["sample_bytes"]), spec["shard_bytes"]
     opts = spec["storage_options"]  # the server itself: setup traffic never crosses the link
-    samples = (make_sample(i, side) for i in range(n))  # in id order: the class-sorted data (bench_quality)
+    ids = range(spec.get("first", 0), spec.get("first", 0) + n)  # a mix's streams: consecutive id ranges
+    samples = (make_sample(i, side) for i in ids)  # in id order: the class-sorted data (bench_quality)
     if system == "datacache":
         import datacache
 
@@ -66,7 +121,7 @@ def write(spec: dict[str, Any]) -> dict[str, Any]:
             from litdata import optimize
 
             os.environ.setdefault("DATA_OPTIMIZER_CACHE_FOLDER", tmp + "-optimizer-cache")
-            optimize(fn=_lit_sample, inputs=[(i, side) for i in range(n)], output_dir=tmp, chunk_bytes=shard,
+            optimize(fn=_lit_sample, inputs=[(i, side) for i in ids], output_dir=tmp, chunk_bytes=shard,
                      num_workers=1, reorder_files=False, verbose=False, start_method="fork")
         else:
             raise ValueError(f"{system} has no writer (it reads the datacache shards)")
