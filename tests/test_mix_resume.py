@@ -39,10 +39,10 @@ def test_resume_epoch_two_exact_order(stream_urls: list[str], s3_storage_options
                                       cache: NodeCache, batching: str, batch_size: int | None) -> None:
     make = factory(stream_urls, s3_storage_options, cache, batching, batch_size)
     n = EPOCH if batch_size is None else len(make())
-    ref = check_resume(make, [0, 1, n // 3, n // 2 + 1, n - 1, (n // 4, n // 4)], epoch=2)
+    ref = check_resume(make, [1, n // 2 + 1, n - 1, (n // 4, n // 4)], epoch=2)  # first, middle, last, twice
     check_epoch([i for item in ref for i in (item if isinstance(item, tuple) else (item,))])
     # through StatefulDataLoader with 2 workers (its state holds each worker's count)
-    check_resume(make, [1, 5, (2, 3)], epoch=2, make_loader=stateful(2, batch_size))
+    check_resume(make, [(2, 3)], epoch=2, make_loader=stateful(2, batch_size))
 
 
 @pytest.mark.timeout(300)
