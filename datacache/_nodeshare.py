@@ -9,7 +9,8 @@ so a file never answers for other inputs. One computer at a time: it holds ``<na
 (``flock``); a consumer that finds the lock held polls for the file for up to ``WAIT_S`` seconds,
 then computes the result itself (a stuck computer never blocks the node). A file that fails the
 caller's check (wrong shape, dtype or values) is recomputed and replaced, never used. Best effort:
-a directory that cannot be written costs only the sharing. At most ``KEEP`` files are kept (the
+a directory that cannot be written, or whose file system has less than ``RESERVE`` bytes free
+(the cache index beside it needs them), costs only the sharing. At most ``KEEP`` files are kept (the
 oldest go). Thread- and process-safe; no state.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = ["shared_array", "WAIT_S", "KEEP"]
 log = logging.getLogger("datacache.plan")
 WAIT_S = 120.0
 KEEP = 64
+RESERVE = 16 << 20  # free bytes a plan file never takes: the cache index beside it must still grow
 _POLL_S = 0.05
 
 
@@ -97,6 +99,10 @@ def _publish(path: str, value: np.ndarray) -> bool:
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(value), allow_pickle=False)
     try:
+        st = os.statvfs(os.path.dirname(path))
+        if st.f_bavail * st.f_frsize < buf.tell() + RESERVE:  # sharing is best effort; the index is not
+            log.info("datacache: not sharing the plan file %s: its file system is nearly full", path)
+            return False
         replace_local(path, buf.getvalue())
     except OSError as exc:
         log.warning("datacache: cannot share the plan file %s with the node's other processes: %s", path, exc)

@@ -81,7 +81,10 @@ def test_scale_model_and_plan_scale_small(capsys: pytest.CaptureFixture[str]) ->
     assert "within one prefix" in two["advice"]
     assert "max_requests_per_s" in scale_model.advice(20000, 64, 8 << 20, 64 << 20)
     r = plan_scale.run_case(1_000_000, 1000, nodes=8, ranks=2, workers=2)
-    assert r["shards"] == 1000 and r["first_batch_s"] > 0 and r["peak_mb"] > 0
+    assert r["shards"] == 1000 and r["first_batch_s"] > 0 and r["first_peak_mb"] > 0
+    consumers = 2 * 2  # node memory: the first consumer's peak, the others' (mapping the shared files), the files
+    node = r["first_peak_mb"] + (consumers - 1) * r["other_peak_mb"] + r["shared_mb"]
+    assert r["other_peak_mb"] > 0 and r["node_mb"] == pytest.approx(node, abs=0.1 * consumers)  # rounded figures
 
 
 def test_shuffle_quality_is_one_for_a_random_permutation_and_low_for_sorted_order() -> None:

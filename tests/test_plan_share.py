@@ -167,3 +167,15 @@ def test_the_node_schedule_is_computed_once_and_read_by_the_others(tmp_path: Pat
     monkeypatch.setattr("datacache.nodeplan._schedule_table", None)  # another consumer: nothing to compute
     other = node_schedule(manifest, counts, replace(spec, dp_rank=3, worker_id=1), [2, 3], share_dir=str(tmp_path))
     assert other.times == mine.times == pure
+
+
+def test_a_nearly_full_file_system_is_left_to_the_index(tmp_path: Path, monkeypatch) -> None:
+    """A plan file never takes the last ``RESERVE`` bytes of the control directory's file system
+    (the cache index beside it must still grow): the result is computed and returned, not shared."""
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    monkeypatch.setattr(_nodeshare, "RESERVE", free)  # what is free now is all the reserve
+    got = _nodeshare.shared_array(str(tmp_path), "x", lambda: np.arange(4), lambda a: a.shape == (4,))
+    assert got.tolist() == [0, 1, 2, 3] and not list((tmp_path / "nodeplan").glob("*.npy"))
+    monkeypatch.setattr(_nodeshare, "RESERVE", 0)
+    _nodeshare.shared_array(str(tmp_path), "x", lambda: np.arange(4), lambda a: a.shape == (4,))
+    assert (tmp_path / "nodeplan" / "x.npy").exists()
