@@ -7,7 +7,7 @@ every copy), so every virtual sample is read at most once per epoch and the plan
 machinery (``plan``, ``resume``) works on virtual ids unchanged. Per epoch a stream takes its
 ``floor(k)`` whole copies and, of the last copy, ``n_i mod N_i`` samples: its shards in a seeded
 permutation (new each epoch with ``sampling="balanced"``, the same every epoch with ``"fixed"``),
-whole shards and then the first samples of one more, so a subset costs only its own bytes. So each
+whole shards and then the first samples of one more, so a subset costs its own bytes and one partly used shard. So each
 sample is read ``floor(k)`` or ``ceil(k)`` times (``k = n_i / N_i``) and the epoch holds exactly
 ``n_i`` of stream ``i``.
 
