@@ -35,7 +35,7 @@ from .cache import NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
 from .dist import DistInfo, detect, plan_nodes
 from .manifest import Manifest
-from .nodeplan import cap_lookahead, node_dp_ranks, node_schedule
+from .nodeplan import cap_lookahead, node_dp_ranks, node_schedule, worth_sharing
 from .plan import DEFAULT_WINDOW, PlanSpec, build_plan
 from .prefetch import Prefetcher
 from .resume import ResumeState, common_state, rank_state, resume_plan, start_state
@@ -222,8 +222,9 @@ class StreamingDataset(tud.IterableDataset):
         schedule = None
         if self.cache.config.policy != "lru":
             ranks = self._node_dp_ranks() if order is None else [self.dp_rank]
+            share = self.cache.control_dir if worth_sharing(len(self.counts), ranks, num_workers) else None
             times = node_schedule(self.manifest, self.counts, spec, ranks, first_plan_order=order,
-                                  share_dir=self.cache.control_dir, orders=self._mix)
+                                  share_dir=share, orders=self._mix)
             schedule = tell_plan(self.cache, times)
         if self._consumer is not None:
             self._consumer.close()

@@ -32,6 +32,16 @@ def node_dp_ranks(ranks: Iterable[int], replication: int = 1) -> list[int]:
     return sorted({int(r) // max(int(replication), 1) for r in ranks})
 
 
+SHARE_MIN_RUNS = 1 << 16  # runs per epoch (shards x the node's consumers) below which sharing costs more
+
+
+def worth_sharing(shards: int, dp_ranks: Sequence[int], num_workers: int) -> bool:
+    """Whether the node schedule is worth sharing through files (``node_schedule(share_dir=)``):
+    below ``SHARE_MIN_RUNS`` runs a consumer computes it in less time than a shared file's
+    write, fsync and lock take, which an epoch of cached data would otherwise wait for."""
+    return shards * max(len(dp_ranks), 1) * max(num_workers, 1) >= SHARE_MIN_RUNS
+
+
 def node_schedule(manifest: Manifest, counts: np.ndarray, spec: PlanSpec, dp_ranks: Sequence[int],
                   first_plan_order: np.ndarray | None = None, share_dir: str | None = None,
                   orders: EpochOrders | None = None) -> Schedule:
