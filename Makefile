@@ -18,8 +18,10 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+PYTEST_JOBS ?= 2
+
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) tools/demo.py $(if $(URL),--url $(URL),)
