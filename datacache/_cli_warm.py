@@ -109,8 +109,8 @@ def cmd_warm(ctx: Ctx) -> int:
         composed = mix is not None and mix.layout_bound  # as the dataset plans a composed mix
         spec = PlanSpec(seed=a.seed, epoch=a.epoch, shuffle=a.shuffle and not composed, window=a.window,
                         drop_last=a.drop_last, dp_size=dp_size, dp_rank=dp_ranks[0], num_workers=num_workers,
-                        worker_id=0, num_nodes=1 if composed else nodes, batch_size=a.batch_size,
-                        placement=a.placement, shard_bytes=readonly([s.bytes for s in source.manifest.shards]))
+                        worker_id=0, num_nodes=nodes, batch_size=a.batch_size, placement=a.placement,
+                        composed=composed, shard_bytes=readonly([s.bytes for s in source.manifest.shards]))
         # a mix's copies of one shard are one cache entry: warmed once, at its first need
         first: dict[str, int] = {}
         for shard in warm_order(counts, spec, dp_ranks, mix):

@@ -22,6 +22,10 @@ The order (``MixPlan.epoch_order``) handed to ``plan.build_plan`` as its pool:
   with a probability proportional to its samples left (a shuffle of the streams' batches).
 
 A resume with another layout re-lays the remainder out for the new layout (``resume_order``).
+
+On several nodes (``spec.num_nodes`` with ``placement="node"``) the composed order is node-sticky: the positions each node's ranks
+read are filled from the shards that node owns for the run (``_mixnodes``); the random batching
+leaves that to the plan (``plan.build_plan``'s node-sticky pool).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._mixnodes import fill_nodes, give_rank, node_slots, position_nodes, stream_owner
 from ._nodeorder import digest, memo, readonly
 from ._pieces import Pieces
 from .plan import PlanSpec
@@ -119,20 +124,34 @@ class MixPlan:
         return self._layout(seqs, spec, [self.seed, spec.epoch, 11, len(remainder)])
 
     def _layout(self, seqs: list[np.ndarray], spec: PlanSpec, rng_key: list[int]) -> np.ndarray:
+        nodes = spec.layout_nodes
         counts = np.array([len(s) for s in seqs], dtype=np.int64)
         n = int(counts.sum())
         sizes = _slots(n, spec)
         if self.batching == "stratified":
             q = _quotas(counts, sizes, n)
             label = np.repeat(np.tile(np.arange(len(seqs)), len(sizes)), q.ravel())
-        else:
+        elif nodes == 1:
             label = _per_stream_labels(counts, sizes, np.random.default_rng(rng_key))
+        else:  # each node's stream counts fixed for the run, its batches drawn from them
+            slots = node_slots(sizes, n, spec, nodes)
+            shares = _quotas(counts, np.array([int(s.sum()) for s in slots] + [n - int(sizes.sum())]), n)
+            label = np.concatenate([_per_stream_labels(shares[k], s, np.random.default_rng(rng_key + [k]))
+                                    for k, s in enumerate(slots)] + [np.zeros(0, dtype=np.int64)])
         used = np.bincount(label, minlength=len(seqs))
         label = np.concatenate([label, np.repeat(np.arange(len(seqs)), counts - used)])  # drop_last's tail
+        where = position_nodes(n, spec, nodes) if nodes > 1 else None
         order = np.empty(n, dtype=np.int64)
         for i, s in enumerate(seqs):
-            order[label == i] = s
+            at = np.flatnonzero(label == i)  # ascending positions: node by node
+            order[at] = s if where is None else self._fill(i, s, nodes, np.bincount(where[at], minlength=nodes + 1))
         return readonly(order)
+
+    def _fill(self, i: int, seq: np.ndarray, nodes: int, need: np.ndarray) -> np.ndarray:
+        """Stream ``i``'s samples ``seq`` regrouped node by node (``_mixnodes.fill_nodes``)."""
+        real = self.real_of[np.searchsorted(self.offsets, seq, side="right") - 1]
+        owner = stream_owner(self.shard_counts[i], nodes, self.seed, i)
+        return fill_nodes(seq, owner[real], give_rank(len(self.shard_counts[i]), self.seed, i)[real], need)
 
     def batch_cuts(self, samples: np.ndarray, size: int, after: int = 0) -> list[int]:
         """Where a worker's batches end in per_stream mode, from position ``after`` (a batch
@@ -150,8 +169,8 @@ class MixPlan:
         return cuts
 
 
-def _layout_key(spec: PlanSpec) -> tuple[int, int, bool]:
-    return spec.dp_size, spec.batch_size, spec.drop_last
+def _layout_key(spec: PlanSpec) -> tuple[int, int, bool, int]:
+    return spec.dp_size, spec.batch_size, spec.drop_last, spec.layout_nodes
 
 
 def _slots(n: int, spec: PlanSpec) -> np.ndarray:

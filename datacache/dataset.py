@@ -131,12 +131,13 @@ class StreamingDataset(tud.IterableDataset):
             dp_size, dp_rank = self.dist.world_size // replication, self.dist.rank // replication
         self.dp_size, self.dp_rank = int(dp_size), int(dp_rank)
         self.placement = placement
-        # Composed batches keep one global layout (node-sticky placement reorders within nodes).
-        self.num_nodes = 1 if self._mix is not None and self._mix.layout_bound else self._num_nodes()
+        self.num_nodes = self._num_nodes()
+        # Composed batches (a mix's stratified / per_stream) lay themselves out over the nodes.
+        self._composed = self._mix is not None and self._mix.layout_bound
         if isinstance(self.source, MixedSource):
             self.source.check_layout(self.dp_size, batch_size, batching_set=False)
         self.shard_bytes = readonly([s.bytes for s in self.manifest.shards])
-        if self.num_nodes > 1:  # once per run and node, here: forked DataLoader workers inherit it
+        if self.num_nodes > 1 and not self._composed:  # once per run and node: forked workers inherit it
             assign_nodes(self.shard_bytes, self.num_nodes, self.seed, share_dir=self.cache.control_dir)
         self._epoch = shared_int()
         self.epoch = 0
@@ -168,11 +169,12 @@ class StreamingDataset(tud.IterableDataset):
     def _spec(self, num_workers: int, worker_id: int, epoch: int | None = None) -> PlanSpec:
         if isinstance(self.source, MixedSource):  # batch_size may have been set since (datacache.DataLoader)
             self.source.check_layout(self.dp_size, self.batch_size)
-        shuffle = self.shuffle and (self._mix is None or not self._mix.layout_bound)  # a composed order stays
+        shuffle = self.shuffle and not self._composed  # a composed order stays as it is
         return PlanSpec(seed=self.seed, epoch=self.epoch if epoch is None else epoch, shuffle=shuffle,
                         window=self.window, drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,
                         num_workers=num_workers, worker_id=worker_id, batch_size=self.batch_size or 1,
-                        num_nodes=self.num_nodes, placement=self.placement, shard_bytes=self.shard_bytes)
+                        num_nodes=self.num_nodes, placement=self.placement, composed=self._composed,
+                        shard_bytes=self.shard_bytes)
 
     def _num_nodes(self) -> int:
         """Nodes the data-parallel ranks spread over (``dist.plan_nodes``); 1 (a global plan) when

@@ -61,7 +61,9 @@ DEFAULT_WINDOW = 4
 
 @dataclass(frozen=True, kw_only=True)
 class PlanSpec:
-    """Everything a plan depends on besides the shard sizes. Immutable."""
+    """Everything a plan depends on besides the shard sizes. Immutable. ``composed``: the order
+    given to ``build_plan`` is final (a mix's composed batches, ``datacache._mixplan``, which
+    lays itself out over ``layout_nodes``): the ranks cut it as it is."""
 
     seed: int = 0
     epoch: int = 0
@@ -75,22 +77,29 @@ class PlanSpec:
     batch_size: int = 1
     num_nodes: int = 1
     placement: str = "node"
+    composed: bool = False
     shard_bytes: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
+    def layout_nodes(self) -> int:
+        """The nodes the ranks are laid over: ``num_nodes`` with ``placement="node"``, else 1."""
+        return self.num_nodes if self.placement == "node" else 1
+
+    @property
     def node_placed(self) -> bool:
-        """Whether shards stay on their nodes for the run (``placement="node"``, several nodes)."""
-        return self.placement == "node" and self.num_nodes > 1
+        """Whether this plan keeps shards on their nodes for the run (``placement="node"``, several
+        nodes), rather than a ``composed`` order that does so itself."""
+        return self.layout_nodes > 1 and not self.composed
 
     @property
     def node(self) -> int:
         """The node of ``dp_rank`` (ranks are packed per node, ``dp_size / num_nodes`` each)."""
-        return self.dp_rank // (self.dp_size // self.num_nodes) if self.node_placed else 0
+        return self.dp_rank // (self.dp_size // self.layout_nodes)
 
     def __post_init__(self) -> None:
         if self.placement not in ("node", "global"):
             raise ValueError(f"placement={self.placement!r}: expected 'node' or 'global'")
-        if self.num_nodes < 1 or (self.node_placed and self.dp_size % self.num_nodes):
+        if self.num_nodes < 1 or self.dp_size % self.layout_nodes:
             raise ValueError(f"num_nodes={self.num_nodes} must be >= 1 and divide dp_size={self.dp_size} "
                              "(each node runs the same number of data-parallel ranks); or use placement='global'")
         if not 0 <= self.dp_rank < self.dp_size:
@@ -169,7 +178,9 @@ def epoch_pieces(counts: np.ndarray, spec: PlanSpec, pool: np.ndarray | None = N
         if spec.drop_last:
             return base.cut(0, n // parts // unit * unit * parts), 0
         padded = (-(-n // parts) * parts - n) if n else 0
-        return Pieces.concat([base, base.resize(padded)]), padded
+        # A node-sticky composed order pads the last rank from its own node's part.
+        src = base.cut(-(-n // parts) * (parts - parts // spec.layout_nodes), n) if spec.composed else base
+        return Pieces.concat([base, (src if len(src) else base).resize(padded)]), padded
     return memo(("epoch",) + _epoch_key(counts, weights, spec, pool), make)
 
 

@@ -62,3 +62,33 @@ def test_resume_epoch_two_other_world_exact_counts(stream_urls: list[str], s3_st
     seen = check_exactly_once(make, stages, epoch=2, loader_batch=loader_batch, expected=expected)
     assert Counter(stream_of(i) for i in seen) == {s: c for s, c in
                                                    Counter(stream_of(i) for i in expected.elements()).items()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batching", ["stratified", "per_stream"])
+def test_resume_composed_mix_across_node_counts(stream_urls: list[str], s3_storage_options: dict[str, Any],
+                                                cache: NodeCache, batching: str) -> None:
+    """A composed mix is laid out per node (node-sticky): 4 ranks on 2 nodes x 2 StatefulDataLoader
+    workers save mid-epoch 2 -> 3 ranks on 1 node -> 2 ranks on 2 nodes: exactly once, exact counts."""
+    from datacache.dist import DistInfo
+
+    per_node = {4: 2, 3: 3, 2: 1}
+
+    def make(dp_rank: int = 0, dp_size: int = 1) -> StreamingDataset:
+        lws = per_node.get(dp_size, dp_size)
+        return StreamingDataset(streams=streams(stream_urls, s3_storage_options), epoch_size=EPOCH, batch_size=B,
+                                batching=batching, cache=cache, seed=9,
+                                dist=DistInfo(rank=dp_rank, world_size=dp_size, local_rank=dp_rank % lws,
+                                              local_world_size=lws))
+    ref = make(0, 4)
+    assert ref.num_nodes == 2
+    expected = Counter()
+    for r in range(4):
+        ds = make(r, 4)
+        ds.set_epoch(2)
+        expected.update(i for item in ds for i in _ids(item))
+        ds.close()
+    ref.close()
+    check_epoch(list(expected.elements()))
+    stages = [Stage(4, num_workers=2, reads=2), Stage(3, num_workers=1, reads=2, load="all"), Stage(2, num_workers=1)]
+    check_exactly_once(make, stages, epoch=2, loader_batch=None, expected=expected)
