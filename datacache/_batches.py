@@ -306,6 +306,7 @@ def _create_file(size: int) -> str:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)  # backed now: a page /dev/shm cannot give later is a SIGBUS
     except OSError:
         os.close(fd)
         _unlink(path)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import mmap
 import os
 import random
@@ -39,6 +40,8 @@ from typing import Any, Callable, Iterator
 
 from ._retry import NodeBackoff, classify
 from .tiers import pid_alive as _alive  # file helpers only: the store still imports no cache
+
+_log = logging.getLogger("datacache.storage")
 
 __all__ = ["Congestion", "MAX_WINDOW", "node_states"]
 
@@ -157,12 +160,10 @@ class Congestion:
 
     # ------------------------------------------------------------------ plumbing
     def _open(self) -> _Mapped:
-        """This process's mapping (created on first use, again after a fork)."""
+        """This process's mapping (created on first use, again after a fork); process-private, with
+        one warning, where the control directory has no room for the node's file."""
         if self.control_dir is None:
-            mm = mmap.mmap(-1, _SIZE, flags=mmap.MAP_PRIVATE)
-            state = _Mapped(mm)
-            state.init(self.url, _boot_id())
-            return state
+            return self._private()
         path = state_path(self.control_dir, self.url)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # inside the private control dir
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -170,6 +171,13 @@ class Congestion:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_size != _SIZE:
                 os.ftruncate(fd, _SIZE)
+            try:  # every page backed now: a page of a sparse file on a full disk is a SIGBUS when touched
+                os.posix_fallocate(fd, 0, _SIZE)
+            except OSError as exc:
+                os.close(fd)
+                _log.warning("datacache: %s: no room for the node's congestion state (%s); this process "
+                             "backs off on its own. Free space in %s", path, exc, self.control_dir)
+                return self._private()
             state = _Mapped(mmap.mmap(fd, _SIZE))
             head = state.load()
             if head["magic"] != _MAGIC or head["boot"] != _boot_id() or state.url_bytes() != self.url.encode()[:_URL_LEN]:
@@ -180,6 +188,11 @@ class Congestion:
             os.close(fd)
             raise
         self._fd = fd
+        return state
+
+    def _private(self) -> _Mapped:
+        state = _Mapped(mmap.mmap(-1, _SIZE, flags=mmap.MAP_PRIVATE))
+        state.init(self.url, _boot_id())
         return state
 
     @contextmanager

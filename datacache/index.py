@@ -12,6 +12,7 @@ the parent closes its environments first, see below). ``Index`` is thread-safe.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import threading
@@ -23,6 +24,8 @@ from typing import Any
 
 import lmdb
 
+from .errors import CacheError
+
 __all__ = ["Entry", "Index", "COUNTERS"]
 
 COUNTERS = (
@@ -30,6 +33,7 @@ COUNTERS = (
     "evictions_ram", "evictions_ssd", "demotions", "promotions", "bypassed", "corrupt", "waited",
 )
 _D = struct.Struct("<d")
+_log = logging.getLogger("datacache.cache")
 
 # One environment per path per process: LMDB must not be opened twice in one process (closing
 # either copy drops the process's fcntl locks on the lock file while the other is in use).
@@ -137,6 +141,7 @@ class Index:
         self._pid = -1
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}
+        self._warned = -1  # the pid that warned of a failed counter flush
         _indexes.add(self)
 
     @property
@@ -144,24 +149,41 @@ class Index:
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():  # first use, or first use in a forked child
-                    self._env, self._dbs = _open_env(self.path, self._map_size)
+                    with self._translated("opened"):
+                        self._env, self._dbs = _open_env(self.path, self._map_size)
                     self._pid = os.getpid()
         return self._env
 
     @contextmanager
+    def _translated(self, what: str) -> Iterator[None]:
+        """LMDB's errors as one ``CacheError`` naming the index (from the original)."""
+        try:
+            yield
+        except lmdb.Error as exc:
+            raise CacheError(f"the cache index could not be {what}: {exc}", url=self.path,
+                             hint="Its file system is full or failing: free space there, or give the cache "
+                                  "other directories (ssd_dir / ram_dir, DATACACHE_SSD_DIR / DATACACHE_RAM_DIR)"
+                             ) from exc
+
+    @contextmanager
     def read(self) -> Iterator["Txn"]:
-        with _txn_gate(), self.env.begin(write=False, buffers=False) as txn:
+        with self._translated("read"), _txn_gate(), self.env.begin(write=False, buffers=False) as txn:
             yield Txn(txn, self._dbs)
 
     @contextmanager
     def write(self) -> Iterator["Txn"]:
-        """A write transaction; per-process counter deltas are flushed into it."""
-        with _txn_gate(), self.env.begin(write=True) as txn:
-            t = Txn(txn, self._dbs)
-            yield t
-            with self._lock:
-                pending, self._pending = self._pending, {}
-            t.add_counters(pending)
+        """A write transaction; per-process counter deltas are flushed into it (and kept pending
+        if it fails). ``CacheError`` if LMDB fails (a full file system)."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        try:
+            with self._translated("written"), _txn_gate(), self.env.begin(write=True) as txn:
+                t = Txn(txn, self._dbs)
+                yield t
+                t.add_counters(pending)
+        except BaseException:
+            self.count(**pending)
+            raise
 
     def count(self, **deltas: float) -> None:
         """Add to node-wide counters at the next write transaction (cheap, no I/O)."""
@@ -170,10 +192,18 @@ class Index:
                 self._pending[k] = self._pending.get(k, 0.0) + v
 
     def flush(self) -> None:
-        """Write this process's pending counter deltas now (``stats``, ``close``)."""
-        if self._pending:
+        """Write this process's pending counter deltas now (``stats``, ``close``). Where the index
+        cannot be written (a full file system) they stay pending, with one warning per process:
+        counters are not worth failing a training step for."""
+        if not self._pending:
+            return
+        try:
             with self.write():
                 pass
+        except CacheError as exc:
+            if self._warned != os.getpid():
+                self._warned = os.getpid()
+                _log.warning("datacache: %s; the cache's counters wait until it can be written", exc)
 
     def close(self) -> None:
         self.flush()  # deltas not yet written (e.g. ``bypassed``, ``waited``) would be lost

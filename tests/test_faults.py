@@ -208,67 +208,6 @@ def test_training_process_killed_while_writing_the_cache(s3_server: Any, make_s3
     assert H.leftovers(ram_data) == []
 
 
-# --------------------------------------------------------------------------- the SSD fills up
-
-
-def _fill_up(mnt: Path, leave: int) -> None:
-    """Another program takes the file system's space, all but ``leave`` bytes."""
-    st = os.statvfs(mnt)
-    with open(mnt / "someone-elses-file", "wb") as f:
-        f.truncate(0)
-        f.write(bytes(max(0, st.f_bavail * st.f_frsize - leave)))
-
-
-def _warnings(caplog: pytest.LogCaptureFixture, word: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and word in r.getMessage()]
-
-
-@pytest.mark.timeout(120)
-def test_ssd_fills_up_mid_epoch_degrades_to_pass_through(small_tmpfs: Path, tmp_path: Path,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="datacache")
-    url, n = f"file://{tmp_path}/ds", 160
-    m = H.write(url, None, n, SIZE, shard_bytes=8 * SIZE)  # 20 shards of ~66 KB
-    # RAM tier smaller than a shard (never admits one; pass-through files live there), SSD budget
-    # far beyond the 24 MB file system: shrunk at open with one warning.
-    cfg = H.cache_config(tmp_path, ram="32KB", ssd="1GB", ssd_dir=str(small_tmpfs / "ssd"))
-    ds = StreamingDataset(url, cache=cfg)
-    assert ds.cache.ssd.enabled and ds.cache.ssd.budget < 32 << 20
-    assert len(_warnings(caplog, "shrunk")) == 1
-    # Room for about three shards, then ENOSPC mid-shard; what that partial file held is freed
-    # again, which leaves the cache index (on the same file system) a few pages to grow into.
-    _fill_up(small_tmpfs, leave=3 * m.shards[0].bytes + 48 * KB)
-    H.assert_exactly_once(ds, n, SIZE)
-    assert len(_warnings(caplog, "ssd tier disabled")) == 1
-    st = ds.stats()
-    assert st["entries_ssd"] >= 1 and st["bypassed"] > 0  # filled up mid-epoch
-    assert st["fetches"] == len(m.shards) and st["budget_ssd"] == 0
-    ds.set_epoch(1)
-    H.assert_exactly_once(ds, n, SIZE)  # and keeps working: SSD hits where it had room, pass-through else
-    assert len(_warnings(caplog, "disabled")) == 1 and len(_warnings(caplog, "shrunk")) == 1
-    assert H.leftovers(data_dir(ds.cache), data_dir(ds.cache, "ssd")) == []
-    ds.close()
-    ds.cache.close()
-
-
-@pytest.mark.timeout(60)
-def test_ssd_full_and_no_ram_tier_continues_through_a_spare_pass_dir(small_tmpfs: Path, tmp_path: Path,
-                                                                     caplog: pytest.LogCaptureFixture) -> None:
-    """No RAM tier and the SSD's file system full: pass-through copies move to a private dir on
-    another file system (/dev/shm or the temp dir) with one warning, and the epoch completes."""
-    caplog.set_level(logging.WARNING, logger="datacache")
-    url, n = f"file://{tmp_path}/ds", 40
-    H.write(url, None, n, SIZE, shard_bytes=8 * SIZE)
-    ds = StreamingDataset(url, cache=H.cache_config(tmp_path, ram=0, ssd="1GB", ssd_dir=str(small_tmpfs / "ssd")))
-    _fill_up(small_tmpfs, leave=20 * KB)
-    H.assert_exactly_once(ds, n, SIZE)
-    assert ds.cache.pass_dir != data_dir(ds.cache, "ssd")
-    assert sum("pass-through" in r.getMessage() for r in caplog.records) == 1
-    assert H.leftovers(data_dir(ds.cache, "ssd")) == [] and H.leftovers(ds.cache.pass_dir) == []
-    ds.close()
-    ds.cache.close()
-
-
 # --------------------------------------------------------------------------- a cached file rots
 def _flip_a_byte(cache: NodeCache, key: str) -> str:
     entry = dict(cache.entries())[key]
@@ -296,7 +235,7 @@ def test_corrupt_cache_file_is_refetched_with_verify_always(tmp_path: Path,
     st = ds.stats()
     assert st["corrupt"] == 1 and st["fetches"] == len(m.shards) + 1
     assert not os.path.exists(path) and ds.cache.contains(ds.manifest.cache_key(3)) == "ram"
-    assert len(_warnings(caplog, "failed verification")) == 1
+    assert len(H.warnings_with(caplog, "failed verification")) == 1
     ds.close()
     ds.cache.close()
 

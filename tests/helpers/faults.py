@@ -1,4 +1,5 @@
-"""Helpers for tests/test_faults.py and tests/test_hostile.py, and a child-process entry point.
+"""Helpers for tests/test_faults.py, tests/test_disk_full.py and tests/test_hostile.py, and a
+child-process entry point.
 
 Sample ``i`` of a test dataset is ``{"i": i, "data": payload(i, size)}``: the payload is derived
 from ``i`` alone, so any process can check every byte it is served.
@@ -60,6 +61,19 @@ def assert_exactly_once(samples: Iterable[dict[str, Any]], n: int, size: int) ->
 def cache_kw(base: Path | str, ram: int | str = "4MB", ssd: int | str = 0, **kw: Any) -> dict[str, Any]:
     return {"ram_bytes": ram, "ssd_bytes": ssd, "ram_dir": str(Path(base) / "ram"), "ssd_dir": str(Path(base) / "ssd"),
             **kw}
+
+
+def fill_up(mnt: Path, leave: int) -> None:
+    """Another program takes the file system's space, all but ``leave`` bytes."""
+    st = os.statvfs(mnt)
+    with open(mnt / "someone-elses-file", "wb") as f:
+        f.truncate(0)
+        f.write(bytes(max(0, st.f_bavail * st.f_frsize - leave)))
+
+
+def warnings_with(caplog: Any, word: str) -> list[str]:
+    """The warnings (or worse) that pytest's ``caplog`` captured whose message holds ``word``."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and word in r.getMessage()]
 
 
 def cache_config(base: Path | str, ram: int | str = "4MB", ssd: int | str = 0, **kw: Any) -> CacheConfig:
