@@ -206,10 +206,11 @@ def test_bench_mix_scenario_and_dropin_variant_tiny(tmp_path: Path) -> None:
     exactly round(p x 122) samples (49 of 61 distinct; 37 once; 36 from 24, each once or twice),
     the cold epoch's bytes are the drawn samples' (plus at most one shard of the subsampled
     stream), the warm epoch's none; and the warm scenario's dropin variant (torch's DataLoader over
-    samples) beside the default, every sample once from the cache."""
+    samples) and torch variant (batched mode through torch's DataLoader) beside the default, every
+    sample once from the cache."""
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--systems", "datacache",
-           "--variants", "default,dropin", "--scenario", "mix,warm", "--size", "2MB", "--shard-bytes", "128KB",
+           "--variants", "default,dropin,torch", "--scenario", "mix,warm", "--size", "2MB", "--shard-bytes", "128KB",
            "--sample-bytes", "16KiB", "--bandwidth", "4MB", "--latency", "0.002", "--compute", "0.001",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -225,14 +226,14 @@ def test_bench_mix_scenario_and_dropin_variant_tiny(tmp_path: Path) -> None:
     assert m["needed"] <= mix["cold"]["remote_bytes"] <= m["needed"] + 128_000 + 16_384
     assert mix["warm"]["remote_bytes"] == 0
     warm = {r["system"]: r for r in lines if r["scenario"] == "warm" and r["phase"] == "measured"}
-    assert set(warm) == {"datacache", "datacache+dropin"}
+    assert set(warm) == {"datacache", "datacache+dropin", "datacache+torch"}
     for r in warm.values():
         assert r["unique_samples"] == r["samples"] == r["n"] and r["remote_bytes"] == 0 and r["batch_size"] == 32
     report = (out / "results.md").read_text()
     assert "## mix" in report
     assert "| datacache | 1 | cold | 49/49 · 37/37 · 36/36 | 49 · 37 · 24 | 1 · 1 · 2 |" in report
     assert "datacache's targets: " in report and "every stream's count exact in both epochs" in report
-    assert "| warm | datacache+dropin | 1 |" in report
+    assert "| warm | datacache+dropin | 1 |" in report and "| warm | datacache+torch | 1 |" in report
 
 
 def test_mix_counts_per_stream_and_the_rounding_a_peer_may_use() -> None:

@@ -1,7 +1,7 @@
 """datacache against its peers on one emulated WAN link: ``python tools/bench.py --out DIR``.
 
     python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle,nodes,shuffle,mix]
-                          [--systems datacache,streaming,litdata,fsspec] [--variants default,tuned,matched,dropin]
+                          [--systems datacache,streaming,litdata,fsspec] [--variants default,tuned,matched,dropin,torch]
                           [--reps 3] [--storm 30] [--profile SCENARIO] [--readme README.md] --out DIR
 
 Install: ``pip install -c constraints.txt -e '.[bench]'`` (constraints.txt pins the installed torch,
@@ -57,7 +57,9 @@ id order; class = id x 100 // n: ``tools/bench_quality.py``). Matched quality (`
 ``datacache+match-streaming`` (window = every shard) and ``datacache+match-litdata`` (window 1);
 LitData has no knob that mixes across its chunks. ``datacache+dropin`` (warm only): the drop-in
 line, ``torch.utils.data.DataLoader(StreamingDataset(url), batch_size=B)`` over samples, beside
-the default ``datacache.DataLoader(ds, batch_size=B)``. The mix scenario runs the default variants only.
+the default ``datacache.DataLoader(ds, batch_size=B)``; ``datacache+torch`` (warm, small, raw):
+``torch.utils.data.DataLoader(StreamingDataset(url, batch_size=B), batch_size=None)``, batched mode
+without torchdata's StatefulDataLoader (the default's base class). The mix scenario runs the default variants only.
 
 A failed or aborted repetition stays in ``results.jsonl`` with its cause; the tables print n
 (repetitions completed of run) per cell and show a system none of whose repetitions completed as
@@ -101,12 +103,14 @@ from tools.bench_quality import pooled  # noqa: E402
 SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 # "tuned": a peer's one documented speed setting; "match-*": tuned through its documented shuffle
 # knobs to about the named system's shuffle quality (tools/bench_systems.py), run in MATCHED only;
-# "dropin": datacache through a plain torch DataLoader over samples, run in DROPIN only
-VARIANTS = {"datacache": ("default", "dropin", "match-streaming", "match-litdata"),
+# "dropin": datacache through a plain torch DataLoader over samples, run in DROPIN only; "torch":
+# datacache's batched mode through a plain torch DataLoader (batch_size=None), run in TORCH only
+VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata"),
             "streaming": ("default", "tuned", "match-datacache"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
 MATCHED = ("cold", "warm", "shuffle")
 DROPIN = ("warm",)
+TORCH = ("warm", "small", "raw")
 SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes", "shuffle", "mix")
 
 
@@ -116,9 +120,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="160 MB (small: 20 MB), 1 rep: about 5 minutes")
     p.add_argument("--scenario", default=",".join(SCENARIOS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--variants", default="default,tuned,matched,dropin",
+    p.add_argument("--variants", default="default,tuned,matched,dropin,torch",
                    help="settings to run: default, tuned, matched (the match-* variants, in cold, warm, shuffle), "
-                        "dropin (datacache over samples through torch's DataLoader, in warm)")
+                        "dropin (datacache over samples through torch's DataLoader, in warm), torch (datacache's "
+                        "batched mode through torch's DataLoader, in warm, small, raw)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
     p.add_argument("--size", help="dataset size (default 500MB; 160MB with --quick)")
     p.add_argument("--small-size", help="1 KiB-sample dataset size (default 100MB; 20MB with --quick)")
@@ -187,11 +192,14 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def runs_in(variant: str, scenario_name: str) -> bool:
-    """Whether a variant runs in a scenario: match-* in MATCHED, dropin in DROPIN, the mix default only."""
+    """Whether a variant runs in a scenario: match-* in MATCHED, dropin in DROPIN, torch in TORCH, the
+    mix default only."""
     if variant.startswith("match-"):
         return scenario_name in MATCHED
     if variant == "dropin":
         return scenario_name in DROPIN
+    if variant == "torch":
+        return scenario_name in TORCH
     return scenario_name != "mix" or variant == "default"
 
 

@@ -159,10 +159,13 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
                                     **({"ram_bytes": C, "ssd_bytes": 0} if C else {}))
         window = {"match-litdata": {"window": 1},  # one shard run at a time, as LitData reads
                   "match-streaming": {"window": spec.get("shards", 1)}}.get(variant, {})  # every shard
+        batched = {"batch_size": bs} if variant == "torch" else {}
         ds = datacache.StreamingDataset(spec["url"], storage_options=spec["storage_options"], cache=cfg,
-                                        shuffle=True, seed=0, **window)
+                                        shuffle=True, seed=0, **window, **batched)
         if variant == "dropin":  # the line users write first: torch's DataLoader over samples
             loader = tud.DataLoader(ds, batch_size=bs, **lkw)
+        elif batched:  # batched mode through torch's own DataLoader (no StatefulDataLoader)
+            loader = tud.DataLoader(ds, batch_size=None, **lkw)
         else:
             loader = datacache.DataLoader(ds, batch_size=bs, **lkw)  # the README's line: batched mode
         return loader, ds.set_epoch, ds.stats, ds.close

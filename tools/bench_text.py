@@ -50,7 +50,9 @@ VARIANTS = (
     "`window=1` (toward LitData's). LitData has no knob that mixes across chunks (its `item_shuffle_window` "
     "orders items inside a chunk), so it is not tuned toward datacache's quality. `datacache+dropin` (warm): the "
     "drop-in line `torch.utils.data.DataLoader(StreamingDataset(url), batch_size=B)` over samples, beside the "
-    "default `datacache.DataLoader(ds, batch_size=B)`.")
+    "default `datacache.DataLoader(ds, batch_size=B)`. `datacache+torch` (warm, small, raw): batched mode through "
+    "torch's own loader, `torch.utils.data.DataLoader(StreamingDataset(url, batch_size=B), batch_size=None)`, "
+    "without torchdata's `StatefulDataLoader` (the base of `datacache.DataLoader`).")
 
 QUALITY = (
     "Quality: mean distinct classes per batch over the same for a uniform random permutation (computed exactly for "
