@@ -76,3 +76,41 @@ def test_warm_streams_bad_file_is_one_line(tmp_path: Path, capsys: pytest.Captur
     path.write_text(json.dumps({"streams": [{"url": "s3://b/a", "weight": 1}]}))
     assert main(["warm", "--streams", str(path)]) == 2
     assert "stream 1 is" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("batching", ["stratified", "per_stream"])
+def test_warm_one_node_of_a_composed_mix(stream_urls: list[str], s3_storage_options: dict[str, Any],
+                                         tmp_path: Path, capsys: pytest.CaptureFixture[str], batching: str) -> None:
+    """``warm --nodes 2 --node-rank 1`` for a composed mix on 4 ranks: node 1's cache gets its
+    share (fewer shards than the mix reads on both nodes), and node 1's two ranks then read the
+    epoch from it with nothing remote."""
+    from datacache.dist import DistInfo
+
+    mix = {"streams": [{"url": u, "proportion": p, "storage_options": s3_storage_options}
+                       for u, p in zip(stream_urls, PROPS)], "epoch_size": EPOCH, "batching": batching}
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(mix))
+    config = CacheConfig(ram_bytes="1MB", ssd_bytes="8MB", ram_dir=str(tmp_path / "ram"), ssd_dir=str(tmp_path / "ssd"))
+    out = warm(["--streams", str(path), "--seed", "5", "--epoch", "1", "--world-size", "4", "--nodes", "2",
+                "--node-rank", "1", "--batch-size", str(B), "--ram-bytes", "1MB", "--ssd-bytes", "8MB",
+                "--ram-dir", config.ram_dir, "--ssd-dir", config.ssd_dir], capsys)
+    assert out["nodes"] == 2 and out["node_rank"] == 1 and out["dp_ranks"] == [2, 3]
+    with NodeCache(config) as cache:
+        before = cache.stats()
+        keys = set()
+        for r in (2, 3):
+            ds = StreamingDataset(streams=streams(stream_urls, s3_storage_options), epoch_size=EPOCH, batch_size=B,
+                                  batching=batching, cache=cache, seed=5,
+                                  dist=DistInfo(rank=r, world_size=4, local_rank=r - 2, local_world_size=2))
+            ds.set_epoch(1)
+            assert ds.num_nodes == 2
+            spec = ds._spec(1, 0)
+            plan = build_plan(ds.counts, spec, order=ds._mix.epoch_order(spec), shards_only=True)
+            keys |= {ds.manifest.cache_key(s) for s in plan.shard_sequence}
+            assert sum(len(b["i"]) for b in ds) > 0
+            every = sum(len(src.manifest.shards) for src in ds.source.sources)
+            ds.close()
+        after = cache.stats()
+    assert out["fetched"] == len(keys) < every
+    assert after["remote_bytes"] == before["remote_bytes"] and after["fetches"] == before["fetches"]
