@@ -158,7 +158,7 @@ class StreamCounts:
         self.bounds = np.asarray(bounds, dtype=np.int64)
         self.ids: list[np.ndarray] = []
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: list[int] | np.ndarray) -> None:
         self.ids.append(np.asarray(ids, dtype=np.int64))
 
     def summary(self) -> dict[str, list[int]]:

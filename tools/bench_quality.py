@@ -54,8 +54,8 @@ class BatchQuality:
         self.sizes: list[int] = []
         self.distinct: list[int] = []
 
-    def add(self, ids: list[int]) -> None:
-        if ids:
+    def add(self, ids: list[int] | np.ndarray) -> None:
+        if len(ids):
             self.sizes.append(len(ids))
             self.distinct.append(int(np.unique(class_of(ids, self.n)).size))
 

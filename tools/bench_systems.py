@@ -260,9 +260,21 @@ def meter(url: str) -> dict[str, int]:
 STALL_S = 90.0
 
 
-def _batch_ids(batch: Any) -> list[int]:
+def _batch_ids(batch: Any) -> np.ndarray:
+    """The batch's sample ids, copied (a batch may live in a slot its loader reuses)."""
     v = batch["id"] if isinstance(batch, dict) else batch[0]
-    return [int(i) for i in (v.tolist() if hasattr(v, "tolist") else v)]
+    return np.array(v.numpy() if hasattr(v, "numpy") else v, dtype=np.int64)
+
+
+def _count_ids(batches: list[np.ndarray], quality: Any, per_stream: Any) -> int:
+    """After the epoch: feeds the batches' ids to the quality and per-stream counters; the
+    distinct samples."""
+    for ids in batches:
+        if quality is not None:
+            quality.add(ids)
+        if per_stream is not None:
+            per_stream.add(ids)
+    return len(np.unique(np.concatenate(batches))) if batches else 0
 
 
 def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[], None],
@@ -276,10 +288,10 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     m0 = meter(meter_url)
     t0 = time.perf_counter()
     wait, first, aborted = 0.0, None, None
-    batches = samples = 0
-    it, startup, quality, head = None, 0.0, BatchQuality(n) if n else None, None
+    batches = 0
+    it, startup, quality = None, 0.0, BatchQuality(n) if n else None
     per_stream = bench_mix.StreamCounts(bounds) if bounds else None
-    stop, tripped, timeline, arrivals, seen = threading.Event(), [], [], [], set()
+    stop, tripped, timeline, arrivals, got = threading.Event(), [], [], [], []
 
     def watchdog() -> None:  # samples the link; interrupts the loop (even in next()) once the epoch
         last = (0, 0, time.perf_counter())  # thrashes, or stalls (no batch and no byte for STALL_S)
@@ -310,15 +322,8 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
                 break
             wait += time.perf_counter() - ta
             first = time.perf_counter() - t0 if first is None else first
-            arrivals.append(round(time.perf_counter() - t0, 4))
-            ids = _batch_ids(batch)
-            head = ids[:8] if head is None else head  # the epoch's order differs from the last one's?
-            samples += len(ids)
-            seen.update(ids)
-            if quality is not None:
-                quality.add(ids)
-            if per_stream is not None:
-                per_stream.add(ids)
+            arrivals.append(time.perf_counter() - t0)
+            got.append(_batch_ids(batch))  # a copy; counted after the epoch, outside the timing
             batches += 1
             if compute:
                 time.sleep(compute)  # the simulated training step
@@ -332,8 +337,12 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     barrier()
     wall = time.perf_counter() - t0  # the node's wall: until the last rank is done
     m1 = meter(meter_url)
+    unique = _count_ids(got, quality, per_stream)
+    samples = sum(len(ids) for ids in got)
+    head = got[0][:8].tolist() if got else None  # the epoch's order differs from the last one's?
+    arrivals = [round(t, 4) for t in arrivals]
     return {"wall": wall, "own_wall": own, "wait": wait, "first_batch": first, "compute": batches * compute,
-            "batches": batches, "samples": samples, "unique_samples": len(seen), "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
+            "batches": batches, "samples": samples, "unique_samples": unique, "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
             "requests": m1["requests"] - m0["requests"], "link_timeline": timeline, "batch_times": arrivals,
             "startup": startup, "first_ids": head, **(quality.summary() if quality is not None else {}),
             **(per_stream.summary() if per_stream is not None else {}),
