@@ -151,7 +151,8 @@ def _global_pieces(counts: np.ndarray, spec: PlanSpec) -> Pieces:
 def _epoch_key(counts: np.ndarray, weights: np.ndarray, spec: PlanSpec, pool: np.ndarray | None) -> tuple:
     unit = spec.batch_size if spec.drop_last else 1
     return (digest(counts), digest(weights) if spec.node_placed else None, digest(pool), spec.seed, spec.epoch,
-            spec.shuffle, spec.drop_last, unit, spec.dp_size, spec.num_nodes if spec.node_placed else 1)
+            spec.shuffle, spec.drop_last, unit, spec.dp_size, spec.num_nodes if spec.node_placed else 1,
+            spec.layout_nodes if spec.composed else 0)  # a composed order pads from its last node's part
 
 
 def _weights(counts: np.ndarray, spec: PlanSpec) -> np.ndarray:
