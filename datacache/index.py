@@ -174,15 +174,17 @@ class Index:
     def write(self) -> Iterator["Txn"]:
         """A write transaction; per-process counter deltas are flushed into it (and kept pending
         if it fails). ``CacheError`` if LMDB fails (a full file system)."""
-        with self._lock:
-            pending, self._pending = self._pending, {}
+        taken: dict[str, float] = {}
         try:
             with self._translated("written"), _txn_gate(), self.env.begin(write=True) as txn:
                 t = Txn(txn, self._dbs)
                 yield t
-                t.add_counters(pending)
+                with self._lock:  # after the body: what it counted goes into this transaction too
+                    taken, self._pending = self._pending, {}
+                t.add_counters(taken)
         except BaseException:
-            self.count(**pending)
+            if taken:
+                self.count(**taken)
             raise
 
     def count(self, **deltas: float) -> None:
