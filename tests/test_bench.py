@@ -59,7 +59,17 @@ def test_bench_nodes_scenario_tiny(tmp_path: Path) -> None:
     measured = [r["remote_bytes"] for r in lines]
     assert D <= measured[0] <= 1.05 * predicted[0] and predicted[0] >= D
     assert sum(measured[1:]) <= 0.01 * D and predicted[1:] == [0, 0]
-    assert "| nodes | datacache |" in (out / "results.md").read_text()
+    report = (out / "results.md").read_text()
+    assert "| nodes | datacache |" in report
+    assert "each node's cold wall / bound" in report  # the per-epoch table, also after a rebuild:
+    from tools.bench_text import BEGIN, END
+
+    (tmp_path / "README.md").write_text(f"# x\n{BEGIN}\n{END}\n")
+    rebuilt = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_report.py"), str(out), "--readme",
+                              str(tmp_path / "README.md")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert rebuilt.returncode == 0, rebuilt.stderr[-2000:]
+    assert "each node's cold wall / bound" in (out / "results.md").read_text()
+    assert "**Many nodes, per epoch**" in (tmp_path / "README.md").read_text()
 
 
 def test_scale_model_and_plan_scale_small(capsys: pytest.CaptureFixture[str]) -> None:

@@ -395,11 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(a.out, "run.json"), "w") as f:
         json.dump(run, f, indent=1)
     text = bench_report.write_report(a.out, records, run=run)
-    nodes = bench_nodes.report(records)
-    if nodes:
-        with open(os.path.join(a.out, "results.md"), "a") as f:
-            f.write("\n" + nodes)
-    print("\n" + text + ("\n" + nodes if nodes else ""))
+    print("\n" + text)
     if a.readme:
         publish(a.out, a.readme)
     return 0

@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools import bench_mix  # noqa: E402
+from tools import bench_mix, bench_nodes  # noqa: E402
 from tools.bench_plots import charts, order_key, summarize_profile  # noqa: E402,F401 - bench.py uses it
 from tools.bench_text import NOTES, head_lines, machine_line, readme_block, replace_block  # noqa: E402,F401
 
@@ -306,6 +306,8 @@ def write_report(out: str, records: list[dict[str, Any]], *, run: dict[str, Any]
         if ("mix", "datacache") in meds:
             peers = {s: meds[("mix", s)] for s in systems_in(meds, "mix") if s.split("+")[0] in PEERS}
             text += "\ndatacache's targets: " + targets("mix", meds[("mix", "datacache")], peers) + "\n"
+    nodes = bench_nodes.report(records)
+    text += "\n" + nodes if nodes else ""
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
     try:
@@ -325,7 +327,7 @@ def readme_tables(records: list[dict[str, Any]], run: dict[str, Any]) -> str:
     shuffle = shuffle_table(records, curves=False) if "shuffle" in scenarios else ""
     main = [sc for sc in scenarios if sc not in OWN_TABLE]
     return readme_block(run, scenarios, table(meds, main) if main else "", shuffle, verdicts,
-                        mix_table(records) if "mix" in scenarios else "")
+                        mix_table(records) if "mix" in scenarios else "", bench_nodes.report(records))
 
 
 def progress_line(recs: list[dict[str, Any]]) -> str:

@@ -102,7 +102,7 @@ def head_lines(run: dict[str, Any], scenarios: list[str]) -> list[str]:
 
 
 def readme_block(run: dict[str, Any], scenarios: list[str], table: str, shuffle: str,
-                 verdicts: dict[str, str], mix: str = "") -> str:
+                 verdicts: dict[str, str], mix: str = "", nodes: str = "") -> str:
     """The README's generated block; every figure in it comes from the tables it holds."""
     parts = [BEGIN, "",
              f"`{run.get('command', '?')}` at commit {run.get('commit', '?')} ({run.get('date', '?')}; "
@@ -116,6 +116,8 @@ def readme_block(run: dict[str, Any], scenarios: list[str], table: str, shuffle:
         parts += ["**Shuffle quality, cold and warm** (the `shuffle` scenario; class-sorted data):", "", shuffle, ""]
     if mix:
         parts += ["**Mixed datasets, cold and warm** (the `mix` scenario):", "", mix, ""]
+    if nodes:
+        parts += ["**Many nodes, per epoch** (the `nodes` scenario):", "", nodes.replace("### nodes: ", ""), ""]
     parts += ["datacache's targets, per scenario (from the table):", ""]
     parts += [f"- {sc}: {verdicts[sc]}" for sc in scenarios if sc in verdicts]
     parts += ["", END]
