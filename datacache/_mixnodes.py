@@ -27,10 +27,10 @@ import numpy as np
 from ._nodeorder import assign_nodes, memo, readonly
 from .plan import PlanSpec
 
-__all__ = ["position_nodes", "stream_owner", "give_rank", "fill_nodes", "node_slots"]
+__all__ = ["per_rank", "position_nodes", "stream_owner", "give_rank", "fill_nodes", "node_slots"]
 
 
-def _per_rank(n: int, spec: PlanSpec) -> tuple[int, int]:
+def per_rank(n: int, spec: PlanSpec) -> tuple[int, int]:
     """(positions per rank, positions used) of an order of ``n`` (as ``plan`` cuts it)."""
     if spec.drop_last:
         per = n // spec.dp_size // spec.batch_size * spec.batch_size
@@ -39,11 +39,9 @@ def _per_rank(n: int, spec: PlanSpec) -> tuple[int, int]:
 
 
 def position_nodes(n: int, spec: PlanSpec, nodes: int) -> np.ndarray:
-    """The node that reads each position of an order of ``n`` (``nodes`` for the dropped tail)."""
-    if spec.dp_size % nodes:
-        raise ValueError(f"datacache: {nodes} nodes must divide the {spec.dp_size} data-parallel ranks "
-                         "(each node runs the same number); or use placement='global'")
-    per, used = _per_rank(n, spec)
+    """The node that reads each position of an order of ``n`` (``nodes`` for the dropped tail;
+    ``PlanSpec`` has checked that ``nodes`` divides the ranks)."""
+    per, used = per_rank(n, spec)
     where = np.full(n, nodes, dtype=np.int64)
     if per:
         where[:used] = np.arange(used, dtype=np.int64) // per // (spec.dp_size // nodes)
@@ -52,7 +50,7 @@ def position_nodes(n: int, spec: PlanSpec, nodes: int) -> np.ndarray:
 
 def node_slots(sizes: np.ndarray, n: int, spec: PlanSpec, nodes: int) -> list[np.ndarray]:
     """The plan's batch sizes (``_mixplan._slots``) cut per node (batches never cross ranks)."""
-    per, _ = _per_rank(n, spec)
+    per, _ = per_rank(n, spec)
     span = per * (spec.dp_size // nodes)
     ends = np.cumsum(sizes)
     cut = np.searchsorted(ends, np.arange(1, nodes) * span, side="right")

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._mixnodes import fill_nodes, give_rank, node_slots, position_nodes, stream_owner
+from ._mixnodes import fill_nodes, give_rank, node_slots, per_rank, position_nodes, stream_owner
 from ._nodeorder import digest, memo, readonly
 from ._pieces import Pieces
 from .plan import PlanSpec
@@ -178,11 +178,7 @@ def _slots(n: int, spec: PlanSpec) -> np.ndarray:
     ``n`` (``plan``: ranks get ``per`` positions each, cut into batches from each rank's start;
     ``drop_last`` drops the positions after ``used``)."""
     b, dp = spec.batch_size, spec.dp_size
-    if spec.drop_last:
-        per = n // dp // b * b
-        used = per * dp
-    else:
-        per, used = -(-n // dp), n
+    per, used = per_rank(n, spec)
     if used == 0:
         return np.zeros(0, dtype=np.int64)
     starts = (np.arange(dp)[:, None] * per + np.arange(0, per, b)[None, :]).ravel()
