@@ -17,7 +17,6 @@ be called from the training loop.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,6 +28,7 @@ import numpy.random  # noqa: F401 - the same (each import costs a starting DataL
 import torch.utils.data as tud
 
 from ._batches import RingCollator, collate
+from ._batchloop import batched
 from ._consumer import Consumer
 from ._nodeorder import assign_nodes, readonly
 from .cache import NodeCache
@@ -36,9 +36,9 @@ from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
 from .dist import DistInfo, detect, plan_nodes
 from .manifest import Manifest
 from .nodeplan import cap_lookahead, node_dp_ranks, node_schedule, worth_sharing
-from .plan import DEFAULT_WINDOW, PlanSpec, build_plan
-from .prefetch import Prefetcher
+from .plan import DEFAULT_WINDOW, ConsumerPlan, PlanSpec, build_plan
 from .resume import ResumeState, common_state, rank_state, resume_plan, start_state
+from ._rounds import Rounds, WorkerBatches
 from ._mixsource import MixedSource, open_source
 from .shards import tell_plan
 from .streams import Stream
@@ -47,8 +47,6 @@ from ._worker import die_with_parent
 from ._dsutil import loader_batch, shared_int
 
 __all__ = ["StreamingDataset"]
-
-_BATCH_AHEAD = 4  # batches collated ahead of the one handed out
 
 
 class StreamingDataset(tud.IterableDataset):
@@ -210,14 +208,14 @@ class StreamingDataset(tud.IterableDataset):
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
         info = tud.get_worker_info()
-        num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
-        self._worker = (worker_id, num_workers)
         self._in_workers.fill_(int(info is not None))
         self._check_loader(sys._getframe().f_back)
         if info is not None:  # a DataLoader worker: stop downloading the moment the training process dies
             die_with_parent()
         if self._resume is not None and self._resume.epoch != self.epoch:
             self._resume = None  # set_epoch moved on (seen here only through the shared epoch)
+        num_workers, worker_id = (info.num_workers, self._plan_worker(info)) if info is not None else (1, 0)
+        self._worker = (worker_id, num_workers)
         spec = self._spec(num_workers, worker_id)
         order, skip = resume_plan(self.counts, spec, self._resume, orders=self._mix)
         plan = build_plan(self.counts, spec, order=order)
@@ -247,40 +245,23 @@ class StreamingDataset(tud.IterableDataset):
                 yield transform(sample) if transform else sample
             self._flush_stats(consumer)
             return
-        # Batched mode: a batcher thread collates the next batches while this one is used, so the
-        # training loop (or a DataLoader worker's loop, sending the last batch) only ever takes a
-        # ready batch. ``_delivered`` is the plan position after the last batch handed out (what
-        # state_dict must record, not what the batcher has read).
-        samples = iter(consumer)
-        size = self.batch_size
-        cuts = self._mix.batch_cuts(consumer.plan.samples, size, after=consumer.skip) \
-            if self._mix is not None and self._mix.batching == "per_stream" else None
-        total = -(-max(len(consumer.plan) - consumer.skip, 0) // size) if cuts is None else len(cuts)
-        in_worker = tud.get_worker_info() is not None
-        # The default collation writes batches into a reusable ring (shared with the main process
-        # when this is a DataLoader worker): see datacache._batches.
-        ring = self._ring(shared=in_worker) if self.collate_fn is collate else None
+        # Batched mode (datacache._batchloop). The default collation writes batches into a reusable
+        # ring (shared with the main process when this is a DataLoader worker): datacache._batches.
+        ring = self._ring(shared=tud.get_worker_info() is not None) if self.collate_fn is collate else None
 
-        def make_batch(j: int) -> tuple[Any, int] | None:
-            n = size if cuts is None else cuts[j] - consumer.consumed  # per_stream: cut at stream changes
-            batch = [transform(s) if transform else s for s in itertools.islice(samples, n)]
-            if not batch:
-                return None
-            return (ring(batch) if ring else self.collate_fn(batch)), consumer.consumed
+        def mark(position: int) -> None:  # what state_dict records: the position after the last batch out
+            self._delivered = position
 
-        batcher: Prefetcher[int, Any] = Prefetcher.bounded(range(total), make_batch, ahead=_BATCH_AHEAD,
-                                                           name=f"{consumer.prefetcher.name}-batch")
-        self._delivered = consumer.skip
-        try:
-            for item in batcher:
-                if item is None:
-                    break
-                self._delivered = item[1]
-                yield item[0]
-        finally:
-            consumer.close()  # first: wakes the batcher thread if it waits on the consumer (Ctrl-C)
-            batcher.close()
+        yield from batched(consumer, self._batches(consumer.plan, consumer.skip), ring or self.collate_fn,
+                           transform, mark)
         self._flush_stats(consumer)
+
+    def _batches(self, plan: ConsumerPlan, skip: int) -> WorkerBatches:
+        """The batches a consumer of ``plan`` yields from position ``skip`` on (batched mode)."""
+        size = self.batch_size or 1
+        cuts = self._mix.batch_cuts(plan.samples, size, after=skip) \
+            if self._mix is not None and self._mix.batching == "per_stream" else None
+        return WorkerBatches(start=skip, length=len(plan), size=size, cuts=None if cuts is None else tuple(cuts))
 
     def _ring(self, shared: bool) -> RingCollator:
         """This process's batch ring, kept across epochs (a forked worker makes its own)."""
@@ -320,7 +301,10 @@ class StreamingDataset(tud.IterableDataset):
             raise RuntimeError("StreamingDataset.state_dict() in the main process while DataLoader workers read it: "
                                "the position is in the workers; checkpoint torchdata's StatefulDataLoader.state_dict() "
                                "instead (StreamingDataset.load_state_dict accepts it)")
-        worker_id, num_workers = (info.id, info.num_workers) if info is not None else self._worker
+        worker_id, num_workers = self._worker
+        if info is not None:  # the plan worker it plays, or (before __iter__) will play
+            worker_id, num_workers = (self._worker if self._consumer is not None else
+                                      (self._plan_worker(info), info.num_workers))
         if self._resume is not None:  # loaded but not iterated yet: still at the loaded position
             if info is None:
                 return self._resume.to_dict()
@@ -339,6 +323,38 @@ class StreamingDataset(tud.IterableDataset):
         return base.advanced(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
                              worker_id=worker_id, consumed=consumed, batch_size=self.batch_size or 1,
                              num_nodes=self.num_nodes).to_dict()
+
+    def _plan_worker(self, info: Any) -> int:
+        """The plan worker DataLoader worker ``info.id`` plays (``ResumeState.plan_worker``)."""
+        st = self._resume
+        if st is None or not st.same_layout(self.dp_size, info.num_workers, self.batch_size or 1, self.num_nodes):
+            return int(info.id)
+        return st.plan_worker(info.id, info.num_workers)
+
+    def worker_rounds(self, num_workers: int) -> Rounds:
+        """Where a ``DataLoader`` with ``num_workers`` workers starting an iteration now begins
+        (the loaded state, if any, else the epoch's start), and each worker's batches (built on
+        first use): ``datacache._rounds``, for ``datacache.DataLoader``'s state. Call it before
+        the loader starts its workers, then ``resume_started()`` once they have."""
+        resume = self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
+        layout = dict(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
+                      batch_size=self.batch_size or 1, num_nodes=self.num_nodes)
+        start = resume or start_state(epoch=self.epoch, seed=self.seed, dataset_id=self.manifest.dataset_id, **layout)
+
+        def workers() -> list[WorkerBatches]:
+            out = []
+            for w in range(num_workers):
+                spec = self._spec(num_workers, w, epoch=start.epoch)
+                order, skip = resume_plan(self.counts, spec, resume, orders=self._mix)
+                out.append(self._batches(build_plan(self.counts, spec, order=order), skip))
+            return out
+
+        base = start.advanced(worker_id=0, consumed=0, **layout)
+        return Rounds(base=base, make_workers=workers)
+
+    def resume_started(self) -> None:
+        """A loader's workers took the loaded state (``worker_rounds``): it is no longer pending."""
+        self._resume_base, self._resume = self._resume, None
 
     def load_state_dict(self, state: Any) -> None:
         """Resume from ``state`` at the next ``__iter__`` (possibly with another world size or

@@ -7,11 +7,14 @@ fresh shared-memory segment per batch field, and the training process maps each 
 reusable shared-memory ring instead (``datacache._batches``), but only for users who know to write
 ``StreamingDataset(batch_size=32)`` with ``DataLoader(batch_size=None)``.
 
-``DataLoader`` takes torch's ``DataLoader`` signature (it is torchdata's ``StatefulDataLoader``,
-so ``state_dict``/``load_state_dict`` resume mid-epoch) and, over a ``StreamingDataset``, turns
+``DataLoader`` takes torch's ``DataLoader`` signature and, over a ``StreamingDataset``, turns
 ``batch_size=B`` into the dataset's batched mode: it sets the dataset's ``batch_size`` (and
-``collate_fn``, and ``drop_last`` when asked) and passes ``batch_size=None`` to the loader below.
-Over any other dataset it is a plain ``StatefulDataLoader``. A plain torch ``DataLoader`` over a
+``collate_fn``, and ``drop_last`` when asked) and iterates the dataset through a plain torch
+``DataLoader(batch_size=None)``. Its ``state_dict``/``load_state_dict`` resume mid-epoch, exactly,
+as torchdata's ``StatefulDataLoader`` does, but with no per-batch snapshot of every worker's state:
+torch takes the workers' batches in turn and the dataset deals each worker known whole batches, so
+the number of batches handed out tells where every worker stands (``datacache._rounds``). Over any
+other dataset it is torchdata's ``StatefulDataLoader``. A plain torch ``DataLoader`` over a
 samples-mode ``StreamingDataset`` keeps working as before (the slow path).
 """
 from __future__ import annotations
@@ -23,14 +26,16 @@ import torch.utils.data as tud
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ._batches import collate
+from ._rounds import Rounds
 from .dataset import StreamingDataset
 
 __all__ = ["DataLoader"]
 
 
 class DataLoader(StatefulDataLoader):
-    """torch's ``DataLoader`` (torchdata's ``StatefulDataLoader``) that batches a datacache
-    ``StreamingDataset`` in its workers, through the dataset's batched mode.
+    """torch's ``DataLoader`` that batches a datacache ``StreamingDataset`` in its workers, through
+    the dataset's batched mode, and resumes mid-epoch (torchdata's ``StatefulDataLoader`` over any
+    other dataset).
 
     Arguments are torch's; what differs over a ``StreamingDataset``:
 
@@ -46,27 +51,94 @@ class DataLoader(StatefulDataLoader):
       remainder across ranks is dropped rather than padded). ``False`` leaves the dataset's own.
     - ``shuffle``, ``sampler``, ``batch_sampler``: refused (the dataset's seeded plan shuffles;
       pass ``shuffle``/``seed`` to ``StreamingDataset``), as torch refuses them for any
-      ``IterableDataset``.
+      ``IterableDataset``; so is ``in_order=False`` (the state counts on torch's in-order turns).
+    - ``snapshot_every_n_steps``: accepted and unused (there is no per-step snapshot).
+    - ``state_dict()``: the rank's complete ``StreamingDataset`` state (``datacache.resume``), as of
+      the last batch handed to the training loop; ``load_state_dict`` takes it (or any state
+      ``StreamingDataset.load_state_dict`` takes) into the dataset, and the next iteration starts
+      fresh workers from it (persistent ones too).
 
     The dataset is configured in place (``loader.dataset is ds``), before any iteration, so its
     ``state_dict``, ``len()`` and ``set_epoch`` agree with the loader's. Not thread-safe, like
-    torch's loaders.
+    torch's loaders: one thread iterates and checkpoints it.
     """
 
     def __init__(self, dataset: tud.Dataset, batch_size: int | None = 1, shuffle: bool | None = None,
                  sampler: Any = None, batch_sampler: Any = None, num_workers: int = 0,
                  collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool = False,
                  drop_last: bool = False, **kwargs: Any) -> None:
+        self._plain: dict[str, Any] | None = None  # over a StreamingDataset: the torch loader's arguments
         if isinstance(dataset, StreamingDataset):
             for name, value in (("shuffle", shuffle), ("sampler", sampler), ("batch_sampler", batch_sampler)):
                 if value:
                     raise ValueError(f"datacache.DataLoader: {name}= is not supported over a StreamingDataset, whose "
                                      "seeded plan orders the samples: pass shuffle=/seed= to StreamingDataset instead")
+            if kwargs.get("in_order") is False:
+                raise ValueError("datacache.DataLoader: in_order=False is not supported over a StreamingDataset: its "
+                                 "resume state counts on torch taking the workers' batches in turn")
             _configure(dataset, batch_size, collate_fn, drop_last)
             batch_size, collate_fn, drop_last = None, None, False
+            kwargs.pop("snapshot_every_n_steps", None)
+            self._plain = dict(batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **kwargs)
         super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
                          batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
                          pin_memory=pin_memory, drop_last=drop_last, **kwargs)
+        self._reopen()
+
+    def _reopen(self) -> None:
+        """A fresh torch loader (new workers at the next iteration) and no iteration counted."""
+        self._torch = None if self._plain is None else tud.DataLoader(self.dataset, **self._plain)
+        self._live: _Counted | None = None
+
+    def __iter__(self) -> Any:
+        if self._torch is None:
+            return super().__iter__()
+        if self.num_workers == 0:  # the dataset, in this process, knows its own position
+            return iter(self._torch)
+        rounds = self.dataset.worker_rounds(self.num_workers)
+        it = iter(self._torch)  # the workers start (and copy the dataset with any loaded state)
+        self.dataset.resume_started()
+        self._live = _Counted(it, rounds)
+        return self._live
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._torch is None:
+            return super().state_dict()
+        ds = self.dataset
+        if self.num_workers == 0:
+            return ds.state_dict()
+        live = self._live
+        if live is None or live.rounds.base.epoch != ds.epoch:  # not iterated, or set_epoch moved on
+            return ds.worker_rounds(self.num_workers).state(0).to_dict()
+        return live.rounds.state(live.handed).to_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._torch is None:
+            super().load_state_dict(state_dict)
+            return
+        if state_dict == {}:  # as torchdata: nothing to load
+            return
+        self.dataset.load_state_dict(state_dict)
+        self._reopen()  # persistent workers hold the old dataset copy: start new ones
+
+
+class _Counted:
+    """The iterator ``DataLoader`` hands out over a ``StreamingDataset``'s workers: torch's, with
+    a count of the batches handed to the training loop. Used by one thread, as torch's."""
+
+    def __init__(self, it: Any, rounds: Rounds) -> None:
+        self._it, self.rounds, self.handed = it, rounds, 0
+
+    def __iter__(self) -> _Counted:
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self._it)
+        self.handed += 1
+        return item
+
+    def __len__(self) -> int:
+        return len(self._it)
 
 
 def _configure(ds: StreamingDataset, batch_size: int | None, collate_fn: Callable[[list[Any]], Any] | None,

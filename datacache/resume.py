@@ -94,6 +94,7 @@ class ResumeState:
     version: int = STATE_VERSION
     batch_size: int = 1  # the plan's (batched mode's); states without one were saved with 1
     num_nodes: int = 1  # the plan's node count (node placement); likewise
+    next_worker: int = 0  # the plan worker whose batch comes next (datacache._rounds); 0 in older states
 
     def __post_init__(self) -> None:
         _count("epoch", self.epoch)
@@ -107,6 +108,8 @@ class ResumeState:
                 _count("consumed", c)
         if self.dp_rank is not None and not 0 <= self.dp_rank < self.dp_size:
             raise ValueError(f"resume state: dp_rank={self.dp_rank} not in [0, {self.dp_size}); {_HOW}")
+        if not 0 <= _count("next_worker", self.next_worker) < self.num_workers:
+            raise ValueError(f"resume state: next_worker={self.next_worker} not in [0, {self.num_workers}); {_HOW}")
 
     @property
     def complete(self) -> bool:
@@ -122,7 +125,7 @@ class ResumeState:
         return {"version": self.version, "epoch": self.epoch, "seed": self.seed, "dataset_id": self.dataset_id,
                 "dp_size": self.dp_size, "dp_rank": self.dp_rank, "num_workers": self.num_workers,
                 "consumed": list(self.consumed), "chain": [link.to_dict() for link in self.chain],
-                "batch_size": self.batch_size, "num_nodes": self.num_nodes}
+                "batch_size": self.batch_size, "num_nodes": self.num_nodes, "next_worker": self.next_worker}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ResumeState:
@@ -140,7 +143,8 @@ class ResumeState:
             return cls(epoch=d["epoch"], seed=d["seed"], dataset_id=str(d["dataset_id"]), dp_size=d["dp_size"],
                        num_workers=d["num_workers"], consumed=tuple(consumed), dp_rank=d.get("dp_rank"),
                        chain=tuple(Link.from_dict(link) for link in d.get("chain", ())),
-                       batch_size=d.get("batch_size", 1), num_nodes=d.get("num_nodes", 1))
+                       batch_size=d.get("batch_size", 1), num_nodes=d.get("num_nodes", 1),
+                       next_worker=d.get("next_worker", 0))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"resume state: missing or malformed field {exc}; {_HOW}") from None
 
@@ -182,7 +186,13 @@ class ResumeState:
         counts: list[int | None] = [None] * num_workers
         counts[worker_id] = consumed
         return replace(self, dp_size=dp_size, dp_rank=dp_rank, num_workers=num_workers, consumed=tuple(counts),
-                       chain=chain, version=STATE_VERSION, batch_size=batch_size, num_nodes=num_nodes)
+                       chain=chain, version=STATE_VERSION, batch_size=batch_size, num_nodes=num_nodes,
+                       next_worker=self.next_worker if same else 0)
+
+    def plan_worker(self, worker: int, num_workers: int) -> int:
+        """The plan worker DataLoader worker ``worker`` plays when it resumes from this state in
+        the same layout: the loader starts at its worker 0, the plan at ``next_worker``."""
+        return (worker + self.next_worker) % num_workers
 
     def pending(self, *, dp_size: int, dp_rank: int, num_workers: int, worker_id: int,
                 batch_size: int = 1, num_nodes: int = 1) -> ResumeState:
@@ -210,7 +220,7 @@ def _worker_state(snapshot: Mapping[str, Any], key: str) -> ResumeState:
 
 
 def _key(s: ResumeState) -> tuple[Any, ...]:
-    return s.epoch, s.seed, s.dataset_id, s.dp_size, s.num_workers, s.batch_size, s.num_nodes, s.chain
+    return s.epoch, s.seed, s.dataset_id, s.dp_size, s.num_workers, s.batch_size, s.num_nodes, s.chain, s.next_worker
 
 
 def rank_state(state: Any) -> ResumeState:
@@ -227,11 +237,17 @@ def rank_state(state: Any) -> ResumeState:
                              "snapshot_every_n_steps=1 (the default) to resume a StreamingDataset from it")
         snapshot = state["_snapshot"].get("_worker_snapshots") or {}
         workers = [_worker_state(snapshot, f"worker_{w}") for w in range(len(snapshot))]
+        # loader worker p knows the count of the plan worker it plays (p, or p + next_worker)
+        plays = [s.plan_worker(p, len(workers)) for p, s in enumerate(workers)]
         if not workers or any(_key(s) != _key(workers[0]) or s.num_workers != len(workers) or s.consumed[w] is None
-                              for w, s in enumerate(workers)):
+                              for w, s in zip(plays, workers)):
             raise ValueError(f"StatefulDataLoader state: its {len(workers)} workers' states disagree "
                              f"({[s.to_dict() for s in workers]}); {_HOW}")
-        return replace(workers[0], consumed=tuple(s.consumed[w] for w, s in enumerate(workers)))
+        counts = [0] * len(workers)
+        for w, s in zip(plays, workers):
+            counts[w] = s.consumed[w]
+        last = state["_snapshot"].get("_last_yielded_worker_id", len(workers) - 1)  # torchdata's next: last + 1
+        return replace(workers[0], consumed=tuple(counts), next_worker=workers[0].plan_worker(last + 1, len(workers)))
     if "dataset_state" in state and "version" not in state:  # StatefulDataLoader with num_workers=0
         return rank_state(state["dataset_state"])
     return ResumeState.from_dict(state)

@@ -119,7 +119,8 @@ def test_collate_fn_runs_in_the_dataset(url: str, cache: NodeCache, workers: int
 @pytest.mark.parametrize("bad, match", [({"shuffle": True}, "shuffle= is not supported"),
                                         ({"sampler": [0, 1]}, "sampler= is not supported"),
                                         ({"batch_size": 0}, "batch_size must be a positive int"),
-                                        ({"batch_size": None, "collate_fn": ids_only}, "collate_fn= needs a batch_size")])
+                                        ({"batch_size": None, "collate_fn": ids_only}, "collate_fn= needs a batch_size"),
+                                        ({"in_order": False}, "in_order=False is not supported")])
 def test_what_cannot_apply_is_refused_in_one_line(url: str, cache: NodeCache, bad: dict[str, Any],
                                                   match: str) -> None:
     ds = StreamingDataset(url, cache=cache)
@@ -163,3 +164,49 @@ def test_resume_through_it_is_exactly_once(url: str, cache: NodeCache, stages: l
 def test_resume_at_midpoints(url: str, cache: NodeCache) -> None:
     check_resume(_factory(url, cache), [0, 5, 31, (3, 9)], epoch=2,
                  make_loader=lambda ds: datacache.DataLoader(ds, batch_size=8, num_workers=2))
+
+
+def test_resume_with_uneven_workers_near_the_end(url: str, cache: NodeCache) -> None:
+    """3 persistent workers with unequal batch counts: the state is counted from the batches handed
+    out (``datacache._rounds``), including after a worker ran out, and the order stays exact."""
+    make = _factory(url, cache)
+    ds = make()
+    n = len(datacache.DataLoader(ds, batch_size=9))
+    ds.close()
+    assert n % 3, "the workers must hold unequal batch counts"
+    check_resume(make, [1, 2, n // 2, n - 2, n - 1, n, (n // 3, n // 3 + 1)], epoch=1,
+                 make_loader=lambda ds: datacache.DataLoader(ds, batch_size=9, num_workers=3, persistent_workers=True,
+                                                             prefetch_factor=3))
+
+
+def test_its_state_continues_in_torchdatas_loader_and_back(url: str, cache: NodeCache) -> None:
+    """A mid-epoch state of datacache.DataLoader (whose next batch is another worker's than worker
+    0's), loaded into the dataset and read on through torchdata's StatefulDataLoader, then that
+    loader's state back into datacache.DataLoader: the uninterrupted order."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    make = _factory(url, cache)
+    ref_ds = make()
+    ref_ds.set_epoch(1)
+    ref = [tuple(ids_of(b)) for b in datacache.DataLoader(ref_ds, batch_size=8, num_workers=2)]
+    ref_ds.close()
+    ds = make()
+    ds.set_epoch(1)
+    it = iter(datacache.DataLoader(ds, batch_size=8, num_workers=2))
+    got = [tuple(ids_of(next(it))) for _ in range(5)]
+    state = it.rounds.state(it.handed).to_dict()
+    assert state["next_worker"] == 1
+    del it
+    ds.close()
+    ds = StreamingDataset(url, cache=cache, seed=6, batch_size=8)  # what datacache.DataLoader made of make()
+    ds.load_state_dict(state)
+    stateful = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+    sit = iter(stateful)
+    got += [tuple(ids_of(next(sit))) for _ in range(4)]
+    loader = datacache.DataLoader(make(), batch_size=8, num_workers=2)
+    loader.load_state_dict(stateful.state_dict())
+    del sit, stateful
+    ds.close()
+    got += [tuple(ids_of(b)) for b in loader]
+    loader.dataset.close()
+    assert got == ref

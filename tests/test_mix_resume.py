@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+import datacache
 from datacache import NodeCache, StreamingDataset
 from tests.helpers.resume import Stage, _ids, check_exactly_once, check_resume
 from tests.helpers.mix import B, EPOCH, check_epoch, stream_of, streams, write_streams
@@ -43,6 +44,9 @@ def test_resume_epoch_two_exact_order(stream_urls: list[str], s3_storage_options
     check_epoch([i for item in ref for i in (item if isinstance(item, tuple) else (item,))])
     # through StatefulDataLoader with 2 workers (its state holds each worker's count)
     check_resume(make, [(2, 3)], epoch=2, make_loader=stateful(2, batch_size))
+    # through datacache.DataLoader with 3 workers (its state counted from the batches handed out)
+    check_resume(make, [(2, 3), n - 1], epoch=2,
+                 make_loader=lambda ds: datacache.DataLoader(ds, batch_size=None, num_workers=3))
 
 
 @pytest.mark.timeout(300)
