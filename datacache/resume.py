@@ -20,6 +20,11 @@ The rules (the README's "Resuming" section says the same):
   (the others are ``None``); the loader's state holds every worker's state as of the last batch
   the loop received, and ``rank_state`` merges them into one complete rank state.
   ``StreamingDataset.load_state_dict`` accepts all of these forms.
+- ``datacache.DataLoader`` needs no snapshot: it counts the batches it handed out and computes
+  every worker's count (``datacache._rounds``). torch starts each iteration at its worker 0, so a
+  state also names the plan worker whose batch comes next (``next_worker``): resumed in the same
+  layout, DataLoader worker ``p`` plays plan worker ``(p + next_worker) % num_workers``, and the
+  order stays the uninterrupted one.
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ LitData has no knob that mixes across its chunks. ``datacache+dropin`` (warm onl
 line, ``torch.utils.data.DataLoader(StreamingDataset(url), batch_size=B)`` over samples, beside
 the default ``datacache.DataLoader(ds, batch_size=B)``; ``datacache+torch`` (warm, small, raw):
 ``torch.utils.data.DataLoader(StreamingDataset(url, batch_size=B), batch_size=None)``, batched mode
-without torchdata's StatefulDataLoader (the default's base class). The mix scenario runs the default variants only.
+without torchdata's StatefulDataLoader (the default's base class before 11bac14). The mix scenario runs the default variants only.
 
 A failed or aborted repetition stays in ``results.jsonl`` with its cause; the tables print n
 (repetitions completed of run) per cell and show a system none of whose repetitions completed as

@@ -52,7 +52,7 @@ VARIANTS = (
     "drop-in line `torch.utils.data.DataLoader(StreamingDataset(url), batch_size=B)` over samples, beside the "
     "default `datacache.DataLoader(ds, batch_size=B)`. `datacache+torch` (warm, small, raw): batched mode through "
     "torch's own loader, `torch.utils.data.DataLoader(StreamingDataset(url, batch_size=B), batch_size=None)`, "
-    "without torchdata's `StatefulDataLoader` (the base of `datacache.DataLoader`).")
+    "without torchdata's `StatefulDataLoader` (which `datacache.DataLoader` was before `11bac14`).")
 
 QUALITY = (
     "Quality: mean distinct classes per batch over the same for a uniform random permutation (computed exactly for "
