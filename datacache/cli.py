@@ -19,8 +19,9 @@ from typing import Any
 
 from ._version import __version__
 from ._cli_cmds import COMMANDS, Ctx, UsageError
-from .config import ENV_VARS, POLICIES, CacheConfig, cache_settings, parse_size
+from .config import ENV_VARS, POLICIES, CacheConfig, cache_settings
 from .errors import DatacacheError
+from ._cli_types import fraction as _fraction, nonneg_int as _nonneg_int, pos_int as _pos_int, size as _size
 from .plan import DEFAULT_WINDOW
 
 __all__ = ["main", "build_parser", "config_from_env", "cache_config_from", "storage_options_from", "ENV_VARS",
@@ -187,42 +188,6 @@ examples:
   datacache clear --dataset ds-0123456789abcdef01234567
 """,
 }
-
-
-def _size(text: str) -> int:
-    try:
-        size = parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    assert size is not None
-    return size
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _pos_int(text: str) -> int:
-    value = _nonneg_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be >= 1")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
 
 
 def _add_global_options(p: argparse.ArgumentParser, top: bool) -> None:
