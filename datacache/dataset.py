@@ -39,6 +39,7 @@ from .nodeplan import cap_lookahead, node_dp_ranks, node_schedule, worth_sharing
 from .plan import DEFAULT_WINDOW, ConsumerPlan, PlanSpec, build_plan
 from .resume import ResumeState, common_state, rank_state, resume_plan, start_state
 from ._rounds import Rounds, WorkerBatches
+from ._headstart import RUNS_PER_WORKER, HeadStart
 from ._mixsource import MixedSource, open_source
 from .shards import tell_plan
 from .streams import Stream
@@ -351,6 +352,25 @@ class StreamingDataset(tud.IterableDataset):
 
         base = start.advanced(worker_id=0, consumed=0, **layout)
         return Rounds(base=base, make_workers=workers)
+
+    def head_start(self, num_workers: int) -> HeadStart | None:
+        """Fetch, from this (the training) process, the first shards of ``num_workers`` DataLoader
+        workers that have just begun the epoch (``datacache._headstart``); ``None`` when a resume
+        is pending (the workers start mid-plan) or there is nothing to read."""
+        if self._resume is not None and self._resume.epoch == self.epoch:
+            return None
+        runs, room = [], max(self.cache.budgets().values())  # a larger shard is never admitted
+        for w in range(num_workers):
+            spec = self._spec(num_workers, w)
+            order = None if self._mix is None else self._mix.epoch_order(spec)
+            plan = build_plan(self.counts, spec, order=order, shards_only=True)
+            times = plan.run_times(self.epoch)
+            runs += [(k, w, plan.runs[k][0], times[k]) for k in range(min(RUNS_PER_WORKER, len(plan.runs)))
+                     if self.shard_bytes[plan.runs[k][0]] <= room]
+        if not runs:
+            return None
+        return HeadStart(self.source, [(shard, t) for _, _, shard, t in sorted(runs)],
+                         name=f"datacache-headstart-r{self.dp_rank}")
 
     def resume_started(self) -> None:
         """A loader's workers took the loaded state (``worker_rounds``): it is no longer pending."""

@@ -26,6 +26,7 @@ import torch.utils.data as tud
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ._batches import collate
+from ._headstart import HeadStart
 from ._rounds import Rounds
 from .dataset import StreamingDataset
 
@@ -57,6 +58,9 @@ class DataLoader(StatefulDataLoader):
       the last batch handed to the training loop; ``load_state_dict`` takes it (or any state
       ``StreamingDataset.load_state_dict`` takes) into the dataset, and the next iteration starts
       fresh workers from it (persistent ones too).
+    - each iteration with workers gives them a head start: once they have forked, this process
+      fetches their first shards into the node cache while they start (``datacache._headstart``),
+      so a cold epoch's link does not idle through the workers' start-up.
 
     The dataset is configured in place (``loader.dataset is ds``), before any iteration, so its
     ``state_dict``, ``len()`` and ``set_epoch`` agree with the loader's. Not thread-safe, like
@@ -83,6 +87,7 @@ class DataLoader(StatefulDataLoader):
         super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
                          batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
                          pin_memory=pin_memory, drop_last=drop_last, **kwargs)
+        self._head: HeadStart | None = None  # this iteration's (datacache._headstart)
         self._reopen()
 
     def _reopen(self) -> None:
@@ -95,11 +100,18 @@ class DataLoader(StatefulDataLoader):
             return super().__iter__()
         if self.num_workers == 0:  # the dataset, in this process, knows its own position
             return iter(self._torch)
+        self._stop_head()
         rounds = self.dataset.worker_rounds(self.num_workers)
         it = iter(self._torch)  # the workers start (and copy the dataset with any loaded state)
+        self._head = self.dataset.head_start(self.num_workers)  # after the fork: see datacache._headstart
         self.dataset.resume_started()
         self._live = _Counted(it, rounds)
         return self._live
+
+    def _stop_head(self) -> None:
+        head, self._head = self._head, None
+        if head is not None:
+            head.close()
 
     def state_dict(self) -> dict[str, Any]:
         if self._torch is None:
@@ -119,6 +131,7 @@ class DataLoader(StatefulDataLoader):
         if state_dict == {}:  # as torchdata: nothing to load
             return
         self.dataset.load_state_dict(state_dict)
+        self._stop_head()
         self._reopen()  # persistent workers hold the old dataset copy: start new ones
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
+import datacache
 from datacache import StreamingDataset
 from tests.helpers import faults as H
 
@@ -23,8 +24,11 @@ SLACK = 1.05
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("loader_cls", [DataLoader, datacache.DataLoader], ids=["torch", "datacache"])
 def test_two_workers_read_d_minus_c_after_the_first_epoch(s3_server: Any, make_s3_url: Any, slowlink: Any,
-                                                         tmp_path: Path) -> None:
+                                                         tmp_path: Path, loader_cls: Any) -> None:
+    """Through torch's DataLoader, and through datacache.DataLoader, whose head start (the training
+    process fetching the workers' first shards, datacache._headstart) must not fetch a byte more."""
     n, per_shard = 768, 32  # 24 shards of ~128 KB: D ~ 3 MB
     url = make_s3_url()
     m = H.write(url, s3_server.storage_options(), n, SIZE, shard_bytes=per_shard * SIZE)
@@ -36,7 +40,7 @@ def test_two_workers_read_d_minus_c_after_the_first_epoch(s3_server: Any, make_s
                           cache=H.cache_config(tmp_path, ram=c, ssd=0))
     assert ds.cache.ram.budget == c and not ds.cache.ssd.enabled
     assert ds.cache.config.policy == "auto"  # the default: clairvoyant once the plan is known
-    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    loader = loader_cls(ds, batch_size=None, num_workers=2, persistent_workers=True)
     per_epoch, orders = [], []
     for epoch in range(3):
         ds.set_epoch(epoch)

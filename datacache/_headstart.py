@@ -1,0 +1,72 @@
+"""A head start for a cold epoch: the training process fetches its DataLoader workers' first
+shards while the workers are still starting.
+
+A worker's first request leaves a few hundred milliseconds after ``iter(loader)``: the fork, the
+worker's plan and node schedule, its own S3 client. On a link-bound cold epoch the link idles that
+long (``tools/bench.py``'s link timelines: 0.3 s for one rank, 0.6 s for two on two cores). The
+training process already holds an open store and the node cache, and it can compute each worker's
+plan, so ``datacache.DataLoader`` starts one ``HeadStart`` right after the workers have forked (a
+thread started before the fork could leave its locks held in the children). It fetches each
+worker's first runs' shards in the order the workers read them, one at a time, through the one
+shard path (``ShardSource.fetch``): a worker that asks for a shard the head start is fetching waits
+for that download (one fetch per key in flight, across processes), and a cached shard costs a pin
+and a release. A failure is left to the worker, whose own fetch raises it where the training loop
+sees it. A shard the cache does not admit (served privately, "pass") ends the head start: the
+worker would download it again. ``close()`` abandons a download in flight at once (``cancelled``) and is idempotent.
+Thread-safe: the thread is the object's only user besides ``close()``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["HeadStart", "RUNS_PER_WORKER"]
+
+log = logging.getLogger("datacache.dataset")
+
+RUNS_PER_WORKER = 2  # the first two runs: a worker's first step needs its first run, the next its second
+
+
+class HeadStart:
+    """Fetch ``shards`` ((shard, next-use time) in reading order) into the node cache through
+    ``source`` (a ``ShardSource``) on a thread named ``name``; see the module docstring."""
+
+    def __init__(self, source: Any, shards: Sequence[tuple[int, float]], *, name: str) -> None:
+        self._source, self._shards = source, list(shards)
+        self.shards = [shard for shard, _ in self._shards]  # what it fetches, in order (read-only)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for position, (shard, use_at) in enumerate(self._shards):
+            if self._stop.is_set():
+                return
+            try:
+                handle = self._source.fetch(shard, priority=position, use_at=use_at, cancelled=self._stop.is_set)
+            except Exception as exc:  # noqa: BLE001 - the worker's own fetch raises it to the training loop
+                log.debug("head start: shard %d not fetched (%s); the DataLoader worker will", shard, exc)
+                return
+            tier = handle.tier
+            handle.release()
+            if tier == "pass":  # not admitted: the worker would download it again, so stop here
+                log.debug("head start: shard %d not admitted to the cache; stopping", shard)
+                return
+
+    @property
+    def done(self) -> bool:
+        """Whether the thread has finished (every shard fetched, or stopped)."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` seconds) for the thread to finish; whether it has."""
+        self._thread.join(timeout)
+        return self.done
+
+    def close(self) -> None:
+        """Stop: abandon the download in flight and wait for the thread. Idempotent."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()

@@ -1,0 +1,73 @@
+"""``datacache._headstart``: the training process fetches its DataLoader workers' first shards
+while they start. Counted in the node cache and at the proxy, never timed."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.utils.data as tud
+
+import datacache
+from datacache import StreamingDataset
+from datacache._headstart import RUNS_PER_WORKER, HeadStart
+from tests.helpers import faults as H
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _dataset(url: str, opts: dict[str, Any], tmp_path: Path, **kw: Any) -> StreamingDataset:
+    return StreamingDataset(url, storage_options=opts, seed=3, cache=H.cache_config(tmp_path, ram="8MB"), **kw)
+
+
+def test_it_fetches_each_workers_first_runs_then_the_epoch_fetches_the_rest_once(
+        s3_server: Any, make_s3_url: Any, tmp_path: Path) -> None:
+    n, size, per_shard = 480, 2000, 16  # 30 shards
+    url = make_s3_url()
+    H.write(url, s3_server.storage_options(), n, size, shard_bytes=per_shard * size)
+    ds = _dataset(url, s3_server.storage_options(), tmp_path)
+    head = ds.head_start(2)
+    assert head is not None and head.wait(120)
+    assert len(head.shards) == 2 * RUNS_PER_WORKER
+    fetched = ds.cache.stats()["fetches"]
+    assert fetched == len(set(head.shards)), f"the head start fetched {fetched} shards"
+    ids = H.assert_exactly_once(tud.DataLoader(ds, batch_size=None, num_workers=2), n, size)
+    assert len(ids) == n
+    # the workers found the head start's shards in the cache: every shard downloaded exactly once
+    assert ds.cache.stats()["fetches"] == n // per_shard
+    head.close()
+    head.close()  # idempotent
+    ds.close()
+
+
+def test_none_while_a_resume_is_pending(small_dataset: Any, tmp_path: Path) -> None:
+    url, opts, _ = small_dataset
+    ds = _dataset(url, opts, tmp_path, batch_size=4)
+    loader = datacache.DataLoader(ds, num_workers=2)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it, loader
+    ds.close()
+    ds = _dataset(url, opts, tmp_path, batch_size=4)
+    ds.load_state_dict(state)
+    assert ds.head_start(2) is None  # the workers start mid-plan: theirs are not the first shards
+    ds.close()
+
+
+def test_close_abandons_the_download_in_flight_and_leaves_the_cache_whole(
+        s3_server: Any, make_s3_url: Any, slowlink: Any, tmp_path: Path) -> None:
+    n, size = 64, 4000  # 2 shards of 128 KB behind a 20 KB/s link: seconds each
+    url = make_s3_url()
+    m = H.write(url, s3_server.storage_options(), n, size, shard_bytes=32 * size)
+    link = slowlink(bandwidth=20_000)
+    ds = _dataset(url, s3_server.storage_options(link.endpoint_url), tmp_path)
+    head = HeadStart(ds.source, [(0, 0.0), (1, 0.0)], name="test-headstart")
+    head.close()  # returns: the read in flight is cancelled, the next never starts
+    assert head.done
+    assert ds.cache.stats()["fetches"] <= 1
+    assert not H.leftovers(tmp_path / "ram"), "a cancelled download left a temporary file"
+    fast = _dataset(url, s3_server.storage_options(), tmp_path)  # the same cache, no slow link
+    assert H.assert_exactly_once(fast, n, size) and len(m.shards) == 2
+    fast.close()
+    ds.close()
