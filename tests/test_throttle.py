@@ -98,10 +98,15 @@ def test_store_throttled_for_good_gives_one_clear_error_within_the_deadline(s3_s
     ds.cache.close()
 
 
-def _read_until_served(url: str, opts: dict[str, Any], control_dir: str, threads: int, q: Any) -> None:
-    """A process of the node: ``threads`` threads each read one range until the store serves it."""
+def _read_until_served(url: str, opts: dict[str, Any], control_dir: str, threads: int, q: Any,
+                       ready: Any, go: Any) -> None:
+    """A process of the node: ``threads`` threads each read one range until the store serves it.
+    One read before the storm (its S3 client made), then ``ready``, and the threads start at ``go``."""
     store = open_store(url, opts, retry=RetryConfig(deadline=120))
     store.share_congestion(control_dir)
+    store.read_range("o.bin", 0, 100)
+    ready.wait()
+    go.wait()
     errors: list[str] = []
 
     def one() -> None:
@@ -126,12 +131,14 @@ def test_node_request_rate_falls_during_a_storm_across_processes(s3_server: Any,
     link = slowlink(latency=0.01)
     control = str(tmp_path / "control")
     os.makedirs(control, mode=0o700)
-    link.throttle(storm)
-    q = FORK.Queue()
+    q, ready, go = FORK.Queue(), FORK.Barrier(procs + 1), FORK.Event()
     ps = [FORK.Process(target=_read_until_served, args=(url, s3_server.storage_options(link.endpoint_url), control,
-                                                        threads, q), daemon=True) for _ in range(procs)]
+                                                        threads, q, ready, go), daemon=True) for _ in range(procs)]
     for p in ps:
         p.start()
+    ready.wait(timeout=150)  # every process started, its client made (a slow start is not a calm storm)
+    link.throttle(storm)
+    go.set()
     results = [q.get(timeout=150) for _ in ps]
     for p in ps:
         p.join(30)
