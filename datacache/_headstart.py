@@ -11,8 +11,12 @@ worker's first runs' shards in the order the workers read them, one at a time, t
 shard path (``ShardSource.fetch``): a worker that asks for a shard the head start is fetching waits
 for that download (one fetch per key in flight, across processes), and a cached shard costs a pin
 and a release. A failure is left to the worker, whose own fetch raises it where the training loop
-sees it. A shard the cache does not admit (served privately, "pass") ends the head start: the
-worker would download it again. ``close()`` abandons a download in flight at once (``cancelled``) and is idempotent.
+sees it. It fetches only into free room: a shard already cached is skipped, and once no tier has
+room for the next one the head start ends, since the workers have not yet told the cache this
+epoch's plan (``shards.tell_plan``), and an eviction decided now could throw out a shard the
+epoch still needs (with a cache smaller than the data, epochs after the first get no head start).
+A shard the cache does not admit (served privately, "pass") ends it too: the worker would
+download it again. ``close()`` abandons a download in flight at once (``cancelled``) and is idempotent.
 Thread-safe: the thread is the object's only user besides ``close()``.
 """
 from __future__ import annotations
@@ -41,8 +45,14 @@ class HeadStart:
         self._thread.start()
 
     def _run(self) -> None:
+        cache = self._source.cache
         for position, (shard, use_at) in enumerate(self._shards):
             if self._stop.is_set():
+                return
+            if cache.contains(self._source.key(shard)):
+                continue  # cached: nothing to gain
+            if not _room(cache.stats(), self._source.manifest.shards[shard].bytes):
+                log.debug("head start: no free room for shard %d; stopping", shard)
                 return
             try:
                 handle = self._source.fetch(shard, priority=position, use_at=use_at, cancelled=self._stop.is_set)
@@ -70,3 +80,8 @@ class HeadStart:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
+
+
+def _room(stats: dict[str, Any], size: int) -> bool:
+    """Whether a tier has ``size`` bytes free (``NodeCache.stats``: used and budget per tier)."""
+    return any(stats[f"used_{t}"] + size <= stats[f"budget_{t}"] for t in ("ram", "ssd"))

@@ -359,14 +359,13 @@ class StreamingDataset(tud.IterableDataset):
         is pending (the workers start mid-plan) or there is nothing to read."""
         if self._resume is not None and self._resume.epoch == self.epoch:
             return None
-        runs, room = [], max(self.cache.budgets().values())  # a larger shard is never admitted
+        runs = []
         for w in range(num_workers):
             spec = self._spec(num_workers, w)
             order = None if self._mix is None else self._mix.epoch_order(spec)
             plan = build_plan(self.counts, spec, order=order, shards_only=True)
             times = plan.run_times(self.epoch)
-            runs += [(k, w, plan.runs[k][0], times[k]) for k in range(min(RUNS_PER_WORKER, len(plan.runs)))
-                     if self.shard_bytes[plan.runs[k][0]] <= room]
+            runs += [(k, w, plan.runs[k][0], times[k]) for k in range(min(RUNS_PER_WORKER, len(plan.runs)))]
         if not runs:
             return None
         return HeadStart(self.source, [(shard, t) for _, _, shard, t in sorted(runs)],

@@ -71,3 +71,21 @@ def test_close_abandons_the_download_in_flight_and_leaves_the_cache_whole(
     assert H.assert_exactly_once(fast, n, size) and len(m.shards) == 2
     fast.close()
     ds.close()
+
+
+def test_a_full_cache_gets_no_head_start(s3_server: Any, make_s3_url: Any, tmp_path: Path) -> None:
+    """With the cache full of the last epoch's shards, an eviction now (before the workers tell the
+    cache this epoch's plan) could throw out a shard the epoch needs: the head start fetches nothing."""
+    n, size, per_shard = 480, 2000, 16  # 30 shards of 32 KB through a cache of 8
+    url = make_s3_url()
+    H.write(url, s3_server.storage_options(), n, size, shard_bytes=per_shard * size)
+    ds = StreamingDataset(url, storage_options=s3_server.storage_options(), seed=3,
+                          cache=H.cache_config(tmp_path, ram=8 * per_shard * size + 1000))
+    H.assert_exactly_once(ds, n, size)  # epoch 0 fills the cache
+    ds.set_epoch(1)
+    before = ds.cache.stats()["fetches"]
+    head = ds.head_start(2)
+    assert head is not None and head.wait(120)
+    assert ds.cache.stats()["fetches"] == before
+    assert any(not ds.cache.contains(ds.source.key(s)) for s in head.shards), "all were cached: nothing tested"
+    ds.close()
