@@ -31,6 +31,7 @@ from datacache import StreamingDataset, write_dataset
 from datacache.dist import detect
 from datacache.plan import build_plan
 from tests.helpers import faults as H
+from tools.s3server import free_ports
 from tools.scale_model import predict_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,15 +194,20 @@ def test_elastic_resume_three_to_two_nodes(s3_server: Any, slowlink: Any, tmp_pa
 def test_one_node_four_readers_fetch_d_minus_c(s3_server: Any, slowlink: Any, tmp_path: Path) -> None:
     """2 ranks x 2 workers share one node cache of D / 2 with the default (clairvoyant) policy:
     the node's schedule covers all four consumers, so each epoch after the first fetches about
-    what the cache cannot hold, D - C (LRU: ~0.75 D), with no sample lost, repeated or corrupted."""
-    n, size = 1024, 3000  # 32 shards of ~96 KB: D ~ 3 MB
+    what the cache cannot hold, D - C (LRU: ~0.75 D), with no sample lost, repeated or corrupted.
+    The ranks run as a data-parallel job does: in step (an all-reduce per batch), with persistent
+    workers. (Ranks left to run free drift apart by up to half an epoch here, and the node's one
+    plan clock then lets the one ahead evict the shards the other is about to read: README, "The
+    cache and its bound".)"""
+    n, size = 3072, 3000  # 96 shards of ~96 KB: D ~ 9 MB
     url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/"
     m = H.write(url, s3_server.storage_options(), n, size, shard_bytes=32 * size)
     d = m.total_bytes
     c = d // 2
     link = slowlink()
     job = Job(tmp_path, "node", link, _base(url, s3_server, link, c), [tmp_path / "node0"], per_node=2,
-              epochs=[0, 1, 2], num_workers=2, payload_size=size)
+              epochs=[0, 1, 2], num_workers=2, payload_size=size, persistent_workers=True,
+              lockstep=free_ports(1)[0])
     snaps = job.run()
     per_epoch = [snaps[0]["bytes_down"]] + [b["bytes_down"] - a["bytes_down"] for a, b in zip(snaps, snaps[1:])]
     print(f"\none node, 2 ranks x 2 workers: D = {d} B, D - C = {d - c} B, remote bytes per epoch {per_epoch}")

@@ -6,8 +6,10 @@ epochs (list), num_workers, out_dir; optional resume (path of a state, or of a l
 rank's state, to load before the first epoch) and stop ([epoch, n]: stop that epoch after n samples
 and save the state to ``out_dir/state_rank{r}.json``: the dataset's ``state_dict()`` with
 num_workers=0, else that of a StatefulDataLoader, saved in its workers; n a multiple of 16 then) and
-payload_size (samples are
-``tests.helpers.faults`` samples: check every sample's bytes). Per epoch it writes the sample ids it
+payload_size (samples are ``tests.helpers.faults`` samples: check every sample's bytes) and
+persistent_workers (one DataLoader for every epoch, its workers kept, as training jobs run; not
+with stop) and lockstep (a TCP port: the ranks join a gloo process group there and all-reduce
+once per batch, as data-parallel training does, so no rank runs ahead of the others). Per epoch it writes the sample ids it
 got to ``out_dir/epoch{e}_rank{r}.json`` and its node cache's stats to ``stats{e}_rank{r}.json``
 (with ``bad``: the samples whose bytes were wrong), then
 waits for the test's ``go{e}`` file (so the test reads the proxy's counters between epochs).
@@ -49,6 +51,19 @@ def _wait(path: str) -> None:
         time.sleep(0.02)
 
 
+def _lockstep(port: int | None, rank: int) -> Any:
+    """A per-batch step that waits for every rank (a gloo all-reduce), or nothing without a port."""
+    if not port:
+        return lambda: None
+    import torch
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                             world_size=int(os.environ["WORLD_SIZE"]))
+    one = torch.zeros(1)
+    return lambda: tdist.all_reduce(one)
+
+
 def main() -> int:
     with open(sys.argv[1]) as f:
         cfg = json.load(f)
@@ -61,7 +76,10 @@ def main() -> int:
             ds.load_state_dict(json.load(f))
     _write(os.path.join(out, f"layout_rank{rank}.json"),
            {"dp_rank": ds.dp_rank, "dp_size": ds.dp_size, "num_nodes": ds.num_nodes})
+    step = _lockstep(cfg.get("lockstep"), rank)
     stop_epoch, stop_after = cfg.get("stop") or (None, None)
+    kept = DataLoader(ds, batch_size=16, num_workers=cfg["num_workers"], persistent_workers=True) \
+        if cfg.get("persistent_workers") else None
     for epoch in cfg["epochs"]:
         ds.set_epoch(epoch)  # keeps a loaded state of the same epoch
         ids: list[int] = []
@@ -69,8 +87,10 @@ def main() -> int:
         size = cfg.get("payload_size")
         stopping = epoch == stop_epoch
         if cfg["num_workers"]:
-            loader = (StatefulDataLoader if stopping else DataLoader)(ds, batch_size=16, num_workers=cfg["num_workers"])
+            loader = kept or (StatefulDataLoader if stopping else DataLoader)(ds, batch_size=16,
+                                                                           num_workers=cfg["num_workers"])
             for batch in loader:
+                step()
                 ids += batch["i"].tolist()
                 bad += _wrong(batch, size)
                 if stopping and len(ids) >= stop_after:
@@ -88,6 +108,7 @@ def main() -> int:
         stats = {**{k: v for k, v in ds.stats().items() if isinstance(v, (int, float))}, "bad": bad}
         _write(os.path.join(out, f"stats{epoch}_rank{rank}.json"), stats)
         _wait(os.path.join(out, f"go{epoch}"))
+    del kept
     ds.close()
     return 0
 
