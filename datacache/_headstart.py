@@ -51,7 +51,7 @@ class HeadStart:
                 return
             if cache.contains(self._source.key(shard)):
                 continue  # cached: nothing to gain
-            if not _room(cache.stats(), self._source.manifest.shards[shard].bytes):
+            if max(cache.room().values()) < self._source.manifest.shards[shard].bytes:
                 log.debug("head start: no free room for shard %d; stopping", shard)
                 return
             try:
@@ -81,7 +81,3 @@ class HeadStart:
         if self._thread is not threading.current_thread():
             self._thread.join()
 
-
-def _room(stats: dict[str, Any], size: int) -> bool:
-    """Whether a tier has ``size`` bytes free (``NodeCache.stats``: used and budget per tier)."""
-    return any(stats[f"used_{t}"] + size <= stats[f"budget_{t}"] for t in ("ram", "ssd"))

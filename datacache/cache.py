@@ -395,6 +395,12 @@ class NodeCache:
         return [(key, e, tier, self.tiers[tier].file_path(rec["file"]))
                 for key, e in self.entries() if key.startswith(prefix) for tier, rec in e.tiers.items()]
 
+    def room(self) -> dict[str, int]:
+        """Free bytes each tier has now (its budget less what it holds; 0 for a disabled tier).
+        Thread-safe; one index read."""
+        with self.index.read() as txn:
+            return {name: max(0, b - txn.used(name)) for name, b in self.budgets().items()}
+
     def budgets(self) -> dict[str, int]:
         """Bytes each tier may hold now ("ram", "ssd"; 0 for a disabled tier). Thread-safe."""
         return {name: (t.budget if t.enabled else 0) for name, t in self.tiers.items()}

@@ -337,18 +337,13 @@ class StreamingDataset(tud.IterableDataset):
         (the loaded state, if any, else the epoch's start), and each worker's batches (built on
         first use): ``datacache._rounds``, for ``datacache.DataLoader``'s state. Call it before
         the loader starts its workers, then ``resume_started()`` once they have."""
-        resume = self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
+        resume = self._pending()
         layout = dict(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
                       batch_size=self.batch_size or 1, num_nodes=self.num_nodes)
         start = resume or start_state(epoch=self.epoch, seed=self.seed, dataset_id=self.manifest.dataset_id, **layout)
 
         def workers() -> list[WorkerBatches]:
-            out = []
-            for w in range(num_workers):
-                spec = self._spec(num_workers, w, epoch=start.epoch)
-                order, skip = resume_plan(self.counts, spec, resume, orders=self._mix)
-                out.append(self._batches(build_plan(self.counts, spec, order=order), skip))
-            return out
+            return [self._batches(*self._worker_plan(num_workers, w, resume, start.epoch)) for w in range(num_workers)]
 
         base = start.advanced(worker_id=0, consumed=0, **layout)
         return Rounds(base=base, make_workers=workers)
@@ -357,19 +352,30 @@ class StreamingDataset(tud.IterableDataset):
         """Fetch, from this (the training) process, the first shards of ``num_workers`` DataLoader
         workers that have just begun the epoch (``datacache._headstart``); ``None`` when a resume
         is pending (the workers start mid-plan) or there is nothing to read."""
-        if self._resume is not None and self._resume.epoch == self.epoch:
+        if self._pending() is not None:
             return None
         runs = []
         for w in range(num_workers):
-            spec = self._spec(num_workers, w)
-            order = None if self._mix is None else self._mix.epoch_order(spec)
-            plan = build_plan(self.counts, spec, order=order, shards_only=True)
+            plan, _ = self._worker_plan(num_workers, w, None, self.epoch, shards_only=True)
             times = plan.run_times(self.epoch)
             runs += [(k, w, plan.runs[k][0], times[k]) for k in range(min(RUNS_PER_WORKER, len(plan.runs)))]
         if not runs:
             return None
         return HeadStart(self.source, [(shard, t) for _, _, shard, t in sorted(runs)],
                          name=f"datacache-headstart-r{self.dp_rank}")
+
+    def _pending(self) -> ResumeState | None:
+        """The loaded state not yet iterated, if it is of the current epoch."""
+        st = self._resume
+        return st if st is not None and st.epoch == self.epoch else None
+
+    def _worker_plan(self, num_workers: int, w: int, resume: ResumeState | None, epoch: int,
+                     shards_only: bool = False) -> tuple[ConsumerPlan, int]:
+        """(plan, plan positions already delivered) of DataLoader worker ``w`` of ``num_workers``
+        in ``epoch``, continuing from ``resume``: what that worker's ``__iter__`` computes."""
+        spec = self._spec(num_workers, w, epoch=epoch)
+        order, skip = resume_plan(self.counts, spec, resume, orders=self._mix)
+        return build_plan(self.counts, spec, order=order, shards_only=shards_only), skip
 
     def resume_started(self) -> None:
         """A loader's workers took the loaded state (``worker_rounds``): it is no longer pending."""
