@@ -277,6 +277,22 @@ def _count_ids(batches: list[np.ndarray], quality: Any, per_stream: Any) -> int:
     return len(np.unique(np.concatenate(batches))) if batches else 0
 
 
+STEP_SAMPLES = 40  # simulated steps timed after each epoch, with no batch moving: the compute bound
+
+
+def measured_step(compute: float, n: int = STEP_SAMPLES) -> float:
+    """Mean seconds one simulated step (``time.sleep(compute)``) takes on this machine now, timed
+    over ``n`` steps while no batch moves. A sleep overshoots its argument (0.2 ms per 20 ms step
+    on the 2-core VM, 1 % of an epoch), and that overshoot is the training loop's, not the
+    loader's: the compute bound is ``batches x`` this, measured in the same run."""
+    if not compute:
+        return 0.0
+    t = time.perf_counter()
+    for _ in range(n):
+        time.sleep(compute)
+    return (time.perf_counter() - t) / n
+
+
 def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[], None],
               max_bytes: float = float("inf"), n: int = 0, bounds: list[int] | None = None) -> dict[str, Any]:
     """One epoch: wall, data wait (time in ``next``, worker start-up included: ``startup`` is the
@@ -337,11 +353,13 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     barrier()
     wall = time.perf_counter() - t0  # the node's wall: until the last rank is done
     m1 = meter(meter_url)
+    step = measured_step(compute)  # outside the epoch's timing
     unique = _count_ids(got, quality, per_stream)
     samples = sum(len(ids) for ids in got)
     head = got[0][:8].tolist() if got else None  # the epoch's order differs from the last one's?
     arrivals = [round(t, 4) for t in arrivals]
-    return {"wall": wall, "own_wall": own, "wait": wait, "first_batch": first, "compute": batches * compute,
+    return {"wall": wall, "own_wall": own, "wait": wait, "first_batch": first, "compute": batches * step,
+            "compute_nominal": batches * compute,
             "batches": batches, "samples": samples, "unique_samples": unique, "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
             "requests": m1["requests"] - m0["requests"], "link_timeline": timeline, "batch_times": arrivals,
             "startup": startup, "first_ids": head, **(quality.summary() if quality is not None else {}),

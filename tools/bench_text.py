@@ -90,7 +90,8 @@ def head_lines(run: dict[str, Any], scenarios: list[str]) -> list[str]:
              f"- command: `{run.get('command', '?')}`; commit {run.get('commit', '?')}; {versions}",
              f"- {describe(run)}",
              "- remote MB is measured at the link proxy; for limited it is per epoch; bound = max(link, compute, "
-             "memcpy) (tools/bench_report.py); first batch s: from iter(loader) to the first batch",
+             "memcpy) (tools/bench_report.py), compute = batches x the simulated step as timed in the same run "
+             "with no batch moving; first batch s: from iter(loader) to the first batch",
              "- " + EQUAL_TERMS.format(**s), "- " + VARIANTS, "- " + QUALITY,
              "- work-arounds (stub torchvision/transformers imports for Streaming, obstore `allow_http` for LitData, "
              "Streaming's boto3 client dropped before the workers fork) are documented in tools/bench_systems.py",
