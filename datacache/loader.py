@@ -142,7 +142,7 @@ class _Counted:
 
     def __init__(self, it: Any, rounds: Rounds) -> None:
         self._it, self.rounds, self.handed = it, rounds, 0
-        self._next = _batch_step(it)
+        self._next = batch_step(it)
 
     def __iter__(self) -> _Counted:
         return self
@@ -156,7 +156,7 @@ class _Counted:
         return len(self._it)
 
 
-def _batch_step(it: Any) -> Callable[[], Any]:
+def batch_step(it: Any) -> Callable[[], Any]:
     """``next(it)`` for torch's worker iterator ``it``, less the profiler range that torch's
     ``__next__`` opens around every batch while no profiler is running.
 
