@@ -246,11 +246,10 @@ def _span(mm: mmap.mmap, base: int, nbytes: int, state: _SlotState, slot: int) -
 
 
 def _tensors(state: _SlotState, mm: mmap.mmap, base: int, slot: int, fields: Layout) -> list[torch.Tensor]:
-    if not fields:
-        state.hold(slot, 1)
+    state.hold(slot, 1)
+    if not fields:  # nothing views the slot (assemble takes none for such a batch)
         state.drop(slot)
         return []
-    state.hold(slot, 1)
     buf = _span(mm, base, max(f.offset + f.nbytes for f in fields), state, slot)
     out = []
     for f in fields:

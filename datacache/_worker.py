@@ -14,13 +14,13 @@ usual), not in a short-lived helper thread.
 
 The heap a forked worker inherits is frozen for the garbage collector (``gc.freeze()`` just
 before ``os.fork()``, ``gc.unfreeze()`` in the parent right after; a fork hook registered when
-datacache is imported). Otherwise a worker's first full collection walks, and so writes to
-(copy-on-write), every object of the training process: about 0.2 s of CPU per worker on the
-2-core VM, run by every worker at once in the 0.3 s before its first request, so a cold epoch's
-link stayed idle that much longer. The collector in the child still collects what the child
-makes; what the parent made is never collected there (the parent collects its own as before).
-Where the parent has frozen objects itself (``gc.get_freeze_count() > 0``) the hook does
-nothing, so it never thaws them.
+this module is imported, which every ``StreamingDataset`` does). Otherwise a worker's first full
+collection walks, and so writes to (copy-on-write), every object of the training process: about
+0.2 s of CPU per worker on the 2-core VM, run by every worker at once in the 0.3 s before its
+first request, so a cold epoch's link stayed idle that much longer. The collector in the child
+still collects what the child makes; what the parent made is never collected there (the parent
+collects its own as before). Where the parent has frozen objects itself
+(``gc.get_freeze_count() > 0``) the hook does nothing, so it never thaws them.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def _thaw_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_freeze_before_fork, after_in_parent=_thaw_after_fork)
+
 _parent: tuple[int, int, Any] | None = None  # (this pid, the parent's pid at start, the parent process)
 
 
