@@ -55,7 +55,8 @@ def test_a_parent_that_froze_its_heap_keeps_it_frozen() -> None:
     try:
         before = gc.get_freeze_count()
         assert _in_child(gc.get_freeze_count) > 0.9 * before  # the child frees a few of them
-        assert gc.get_freeze_count() == before, "the hook thawed objects the parent had frozen"
+        # == 0 had the hook thawed them; a few frozen objects may be freed meanwhile (other threads)
+        assert gc.get_freeze_count() > 0.9 * before, "the hook thawed objects the parent had frozen"
     finally:
         gc.unfreeze()
 
