@@ -218,9 +218,10 @@ class _SlotState:
                     self.mm[slot] = _FREE
 
 
-def _field_array(mm: mmap.mmap, base: int, f: Field) -> np.ndarray:
-    dtype = np.dtype(f.dtype)
-    return np.frombuffer(mm, dtype, f.nbytes // dtype.itemsize, base + f.offset).reshape(f.shape)
+def _field_array(buf: Any, base: int, f: Field) -> np.ndarray:
+    """Field ``f`` of the slot at ``base`` in ``buf`` (a ring's mapping or a slot's span)."""
+    dtype = _dtype(f.dtype)
+    return np.frombuffer(buf, dtype, f.nbytes // dtype.itemsize, base + f.offset).reshape(f.shape)
 
 
 def _free_slot(buf: Any) -> None:
@@ -251,11 +252,7 @@ def _tensors(state: _SlotState, mm: mmap.mmap, base: int, slot: int, fields: Lay
         state.drop(slot)
         return []
     buf = _span(mm, base, max(f.offset + f.nbytes for f in fields), state, slot)
-    out = []
-    for f in fields:
-        dtype = _dtype(f.dtype)
-        out.append(torch.from_numpy(np.frombuffer(buf, dtype, f.nbytes // dtype.itemsize, f.offset).reshape(f.shape)))
-    return out
+    return [torch.from_numpy(_field_array(buf, 0, f)) for f in fields]
 
 
 _DTYPES: dict[str, np.dtype] = {}
