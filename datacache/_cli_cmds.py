@@ -50,6 +50,7 @@ def cmd_stat(ctx: Ctx) -> int:
         s = cache.stats()
         entries = cache.entries()
         stores = node_states(cache.control_dir)
+        pinned = cache.pinned()
     datasets: dict[str, dict[str, int]] = {}
     for key, e in entries:
         d = datasets.setdefault(key.split("/", 1)[0], {"entries": 0, "bytes": 0, "ram_entries": 0, "ram_bytes": 0,
@@ -65,12 +66,14 @@ def cmd_stat(ctx: Ctx) -> int:
                  "evictions": s.get(f"evictions_{t}", 0)} for t in ("ram", "ssd")}
     data = {"tiers": tiers, "remote_bytes": s.get("remote_bytes", 0), "fetches": s.get("fetches", 0),
             "fetch_seconds": round(float(s.get("fetch_seconds", 0.0)), 3), "datasets": datasets, "counters": s,
-            "stores": stores}
+            "stores": stores, "pinned": pinned}
     lines = [f"{'tier':<5} {'budget':>10} {'used':>10} {'entries':>8} {'hits':>8} {'misses':>8}  dir"]
     for t, v in tiers.items():
         budget = format_size(v["budget"]) if v["budget"] else "off"
         lines.append(f"{t:<5} {budget:>10} {format_size(v['used']):>10} {v['entries']:>8} {v['hits']:>8} "
                      f"{v['misses']:>8}  {v['dir']}")
+    lines.append("pinned: " + ("unknown here (no /proc/locks)" if pinned is None else ", ".join(
+        f"{t} {v['entries']} entries {format_size(v['bytes'])}" for t, v in pinned.items())))
     lines.append(f"remote: {format_size(data['remote_bytes'])} in {data['fetches']} fetches "
                  f"({data['fetch_seconds']:.1f} s)")
     for st in stores:  # the node's congestion state per store prefix (datacache.congestion)

@@ -82,7 +82,8 @@ class Consumer:
             self._skip(shard, exc)
             return _Run(lo, None)
         try:
-            return _Run(lo, self._read(shard, handle, lo, hi))
+            rows = None if self.plan.rows is None else self.plan.rows[run]
+            return _Run(lo, self._read(shard, handle, lo, hi, rows))
         finally:
             # Decoded samples own their memory, so the shard is unpinned at once: pins stay within
             # the prefetch lookahead and the cache keeps its freedom to evict.
@@ -115,9 +116,13 @@ class Consumer:
                 r.release()
             self.close()
 
-    def _read(self, shard: int, handle: CacheHandle, lo: int, hi: int) -> list[Any] | None:
+    def _read(self, shard: int, handle: CacheHandle, lo: int, hi: int,
+              rows: np.ndarray | None) -> list[Any] | dict[int, Any] | None:
+        """Samples ``lo .. hi - 1`` (a list), or only ``rows`` (a node mix's run: a dict by row - lo)."""
         try:
-            return self.source.read_runs(shard, handle, lo, hi)
+            if rows is None:
+                return self.source.read_runs(shard, handle, lo, hi)
+            return {r - lo: s for r, s in self.source.read_rows(shard, handle, rows.tolist()).items()}
         except (ReaderError, IntegrityError) as err:
             if self.on_error != "skip":
                 raise
@@ -155,9 +160,10 @@ _DECODE_AHEAD = 2  # runs decoded ahead of the one being consumed
 
 
 class _Run:
-    """A decoded run: its first local index and samples (None if the shard was skipped)."""
+    """A decoded run: its first local index and samples, by local index - lo (a list, or a dict
+    for a node mix's rows; None if the shard was skipped)."""
 
-    def __init__(self, lo: int, samples: list[Any] | None) -> None:
+    def __init__(self, lo: int, samples: list[Any] | dict[int, Any] | None) -> None:
         self.lo, self.samples = lo, samples
 
     def release(self) -> None:

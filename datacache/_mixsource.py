@@ -1,6 +1,6 @@
 """A mixed dataset's shard path: each stream's own ``ShardSource`` behind one virtual shard list.
 
-``MixedSource`` looks like a ``ShardSource`` to the consumer (``fetch``, ``read_runs``,
+``MixedSource`` looks like a ``ShardSource`` to the consumer (``fetch``, ``read_runs``, ``read_rows``,
 ``manifest.shards`` / ``offsets`` / ``cache_key``, ``cache``): virtual shard ``v`` is shard
 ``real_of[v]`` of stream ``stream_of[v]`` (``datacache._mixplan``), fetched through that stream's
 store, options and cache keys, so copies of a shard share one cache entry and the node cache
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ._mixplan import MixPlan
@@ -75,6 +75,10 @@ class MixedSource:
     def read_runs(self, shard: int, handle: CacheHandle, lo: int, hi: int) -> list[Any]:
         src, j = self._real(shard)
         return src.read_runs(j, handle, lo, hi)
+
+    def read_rows(self, shard: int, handle: CacheHandle, rows: Iterable[int]) -> dict[int, Any]:
+        src, j = self._real(shard)
+        return src.read_rows(j, handle, rows)
 
     def check_layout(self, dp_size: int, batch_size: int | None, batching_set: bool = True) -> None:
         """``ValueError`` if the epoch cannot give every rank a batch, or (``batching_set``: at use)

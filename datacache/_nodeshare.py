@@ -6,8 +6,9 @@ Layout: ``<control dir>/nodeplan/<name>.npy``, one NumPy array written once, ato
 fsync, ``os.replace``), and mapped read-only by its readers (``np.load(mmap_mode="r")``: the
 node's page cache holds one copy for all its processes). ``<name>`` is a digest of the inputs,
 so a file never answers for other inputs. One computer at a time: it holds ``<name>.lock``
-(``flock``); a consumer that finds the lock held polls for the file for up to ``WAIT_S`` seconds,
-then computes the result itself (a stuck computer never blocks the node). A file that fails the
+(``flock``); a consumer that finds the lock held polls for the file (every 1 ms at first, backing
+off to 50 ms) for up to ``WAIT_S`` seconds, then computes the result itself (a stuck computer never
+blocks the node). A file that fails the
 caller's check (wrong shape, dtype or values) is recomputed and replaced, never used. Best effort:
 a directory that cannot be written, or whose file system has less than ``RESERVE`` bytes free
 (the cache index beside it needs them), costs only the sharing. At most ``KEEP`` files are kept (the
@@ -34,6 +35,7 @@ WAIT_S = 120.0
 KEEP = 64
 RESERVE = 16 << 20  # free bytes a plan file never takes: the cache index beside it must still grow
 _POLL_S = 0.05
+_FIRST_POLL_S = 0.001  # most results take milliseconds: poll soon, then back off to _POLL_S
 
 
 def shared_array(directory: str | None, name: str, make: Callable[[], np.ndarray],
@@ -54,6 +56,7 @@ def shared_array(directory: str | None, name: str, make: Callable[[], np.ndarray
         return found
     lock = KeyLock(folder, name)
     deadline = time.monotonic() + WAIT_S
+    pause = _FIRST_POLL_S
     try:
         while not lock.acquire(blocking=False):
             found = _load(path, valid)
@@ -62,7 +65,8 @@ def shared_array(directory: str | None, name: str, make: Callable[[], np.ndarray
             if time.monotonic() > deadline:
                 log.warning("datacache: %s is still being computed after %.0f s: computing it here too", path, WAIT_S)
                 return make()
-            time.sleep(_POLL_S)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_S)
     except OSError as exc:
         log.warning("datacache: cannot lock %s (%s): computing the plan here", path, exc)
         return make()

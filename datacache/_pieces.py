@@ -101,6 +101,13 @@ class Pieces:
         first = _i64(offsets)[self.shard] + self.lo
         return np.repeat(first - (self.ends - lengths), lengths) + np.arange(total, dtype=np.int64)
 
+    def at(self, positions: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """The global sample ids at ``positions`` (each in ``[0, len)``; O(k log pieces))."""
+        q = _i64(positions)
+        i = np.searchsorted(self.ends, q, side="right")
+        start = self.ends[i] - (self.hi[i] - self.lo[i])
+        return _i64(offsets)[self.shard[i]] + self.lo[i] + (q - start)
+
     def runs(self) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
         """(start position of each run, (shard, lo, hi) per run): consecutive pieces of one shard
         merge into one run spanning their local ranges (as ``plan._runs`` does for samples)."""

@@ -34,8 +34,8 @@ from .errors import CacheError, IntegrityError
 from .eviction import EvictionPolicy, LRUPolicy
 from .hashing import hash_file
 from .index import Entry, Index
-from .tiers import (NO_SPACE_ERRNOS, KeyLock, Tier, ensure_private_dir, key_id, remove_if_exists, try_pin,
-                    unlock_close)
+from .tiers import (NO_SPACE_ERRNOS, KeyLock, Tier, ensure_private_dir, key_id, pinned_files, remove_if_exists,
+                    try_pin, unlock_close)
 from ._handle import CacheHandle, PassDir
 from ._placement import Victim, make_room
 from ._reconcile import NodeLock, clear, reconcile
@@ -394,6 +394,21 @@ class NodeCache:
         snapshot: a file may be evicted at any time, so pin it (``tiers.try_pin``) before reading."""
         return [(key, e, tier, self.tiers[tier].file_path(rec["file"]))
                 for key, e in self.entries() if key.startswith(prefix) for tier, rec in e.tiers.items()]
+
+    def pinned(self) -> dict[str, dict[str, int]] | None:
+        """Entries pinned now per tier (``{"ram": {"entries", "bytes"}, "ssd": ...}``: held open by
+        a reader, so not evictable), or None where pins cannot be seen (``tiers.pinned_files``)."""
+        files = self.entry_files()
+        held = pinned_files([path for *_, path in files])
+        if held is None:
+            return None
+        pinned = set(held)
+        out = {name: {"entries": 0, "bytes": 0} for name in self.tiers}
+        for _, e, tier, path in files:
+            if path in pinned:
+                out[tier]["entries"] += 1
+                out[tier]["bytes"] += e.size
+        return out
 
     def room(self) -> dict[str, int]:
         """Free bytes each tier has now (its budget less what it holds; 0 for a disabled tier).

@@ -32,11 +32,12 @@ from ._batchloop import batched
 from ._consumer import Consumer
 from ._nodeorder import assign_nodes, readonly
 from .cache import NodeCache
-from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
+from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
 from .dist import DistInfo, detect, plan_nodes
 from .manifest import Manifest
-from .nodeplan import cap_lookahead, node_dp_ranks, node_schedule, worth_sharing
-from .plan import DEFAULT_WINDOW, ConsumerPlan, PlanSpec, build_plan
+from .nodeplan import (NODE_SHUFFLE, cap_lookahead, key_datasets, mix_fields, node_dp_ranks, node_schedule,
+                       sliding_window, worth_sharing)
+from .plan import ConsumerPlan, PlanSpec, build_plan
 from .resume import ResumeState, common_state, rank_state, resume_plan, start_state
 from ._rounds import Rounds, WorkerBatches
 from ._headstart import RUNS_PER_WORKER, HeadStart
@@ -68,7 +69,17 @@ class StreamingDataset(tud.IterableDataset):
       defaults) or an open ``NodeCache`` to share with other datasets.
     - ``shuffle``, ``seed``: the seeded shard and sample shuffle; the same ``seed`` on every rank.
     - ``drop_last``: drop the samples that do not divide evenly among ranks, instead of padding.
-    - ``window``: shard runs a sample may move across in the sliding-window shuffle.
+    - ``window``: shard runs a sample may move across in the sliding-window shuffle (a cold
+      epoch's, or one whose node share does not fit in the cache). Default: 4, fewer (down to 1)
+      where the node's consumers (ranks x workers) would hold more decoded shards than the RAM
+      tier's budget (``nodeplan.sliding_window``).
+    - ``node_shuffle``: "auto" (default): from epoch 1 on, when the node's share of the dataset
+      fits in the node cache (at most 0.9 of its budget), each epoch is one uniform permutation of
+      the node's share across all its ranks and workers (a global shuffle's quality within the
+      node; ``datacache._nodemix``); "always": every epoch, the first too (for a cache warmed
+      beforehand: a cold epoch then waits for about one batch's shards before its first batch);
+      "never": the sliding window only. ``shuffle_chunk``: bytes a node-mixed consumer reads per
+      chunk (default: the RAM tier's budget over 8 x the node's consumers, within 1 to 16 MB).
     - ``transform``: applied to each sample (in the consumer's process) before it is yielded.
     - ``batch_size``: when set, yields collated batches (``collate_fn``, default: what
       ``default_collate`` makes, with tensors, arrays and numbers written once into a
@@ -96,13 +107,14 @@ class StreamingDataset(tud.IterableDataset):
                  epoch_size: int | None = None, batching: str = "random", sampling: str = "balanced",
                  storage_options: Mapping[str, Any] | None = None,
                  cache: CacheConfig | NodeCache | None = None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, window: int = DEFAULT_WINDOW,
+                 drop_last: bool = False, window: int | None = None,
                  transform: Callable[[dict[str, Any]], Any] | None = None, batch_size: int | None = None,
                  collate_fn: Callable[[list[dict[str, Any]]], Any] = collate, replication: int = 1,
                  dp_rank: int | None = None, dp_size: int | None = None, prefetch: PrefetchConfig | None = None,
                  transfer: TransferConfig | None = None, retry: RetryConfig | None = None,
                  reader_options: Mapping[str, Any] | None = None, on_error: str = "raise",
-                 dist: DistInfo | None = None, placement: str = "node") -> None:
+                 dist: DistInfo | None = None, placement: str = "node", node_shuffle: str = "auto",
+                 shuffle_chunk: int | str | None = None) -> None:
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ValueError("on_error must be 'raise' or 'skip'")
@@ -117,6 +129,10 @@ class StreamingDataset(tud.IterableDataset):
         self.cache: NodeCache = self.source.cache
         self.counts = readonly([s.samples for s in self.manifest.shards])  # the plan hashes it once
         self.shuffle, self.seed, self.drop_last, self.window = shuffle, seed, drop_last, window
+        self.node_shuffle, self.shuffle_chunk = node_shuffle, parse_size(shuffle_chunk)
+        self._key_datasets = key_datasets(self.manifest)
+        if node_shuffle not in NODE_SHUFFLE:
+            raise ValueError(f"node_shuffle={node_shuffle!r}: expected one of {', '.join(NODE_SHUFFLE)}")
         self.transform, self.batch_size, self.collate_fn = transform, batch_size, collate_fn
         self.prefetch = prefetch or PrefetchConfig()
         self.on_error = on_error
@@ -165,15 +181,24 @@ class StreamingDataset(tud.IterableDataset):
         self.epoch = int(epoch)
         self._epoch_explicit = True
 
-    def _spec(self, num_workers: int, worker_id: int, epoch: int | None = None) -> PlanSpec:
+    def _spec(self, num_workers: int, worker_id: int, epoch: int | None = None, mixes: bool = True) -> PlanSpec:
+        """The plan spec of worker ``worker_id`` of ``num_workers``; ``mixes=False`` leaves the node
+        mix out (a rank's length is the same either way)."""
         if isinstance(self.source, MixedSource):  # batch_size may have been set since (datacache.DataLoader)
             self.source.check_layout(self.dp_size, self.batch_size)
         shuffle = self.shuffle and not self._composed  # a composed order stays as it is
+        consumers = len(self._node_dp_ranks()) * num_workers
+        mix = mix_fields(self.node_shuffle, self.shuffle_chunk, self.cache, consumers,
+                         epoch=self.epoch if epoch is None else epoch, datasets=self._key_datasets,
+                         ident=(self.manifest.dataset_id, self.seed, self.dp_size, self.num_nodes,
+                                self.dp_rank * self.num_nodes // self.dp_size)) if mixes and shuffle else {}
         return PlanSpec(seed=self.seed, epoch=self.epoch if epoch is None else epoch, shuffle=shuffle,
-                        window=self.window, drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,
+                        window=self.window or sliding_window(self.cache.config.ram_bytes, consumers,
+                                                             int(self.shard_bytes.max(initial=1))),
+                        drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,
                         num_workers=num_workers, worker_id=worker_id, batch_size=self.batch_size or 1,
                         num_nodes=self.num_nodes, placement=self.placement, composed=self._composed,
-                        shard_bytes=self.shard_bytes)
+                        shard_bytes=self.shard_bytes, **mix)
 
     def _num_nodes(self) -> int:
         """Nodes the data-parallel ranks spread over (``dist.plan_nodes``); 1 (a global plan) when
@@ -191,7 +216,7 @@ class StreamingDataset(tud.IterableDataset):
         """Samples this rank reads per epoch; in batched mode its batches, exact for any number of
         DataLoader workers (they get whole batches: the plan's step 3), so ``len(DataLoader(ds,
         batch_size=None))`` is what comes."""
-        spec = self._spec(1, 0)
+        spec = self._spec(1, 0, mixes=False)
         order = None if self._mix is None else self._mix.epoch_order(spec)
         if self._mix is not None and self._mix.batching == "per_stream":  # batches end where streams change
             return len(self._mix.batch_cuts(build_plan(self.counts, spec, order=order).samples, self.batch_size or 1))

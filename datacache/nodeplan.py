@@ -4,26 +4,32 @@ A node runs several consumers (data-parallel ranks times DataLoader workers). Th
 by all of them, so it must know all of their reads: ``node_schedule`` gives the next-use times of
 every shard for every consumer of the node (this epoch and the next), ``warm_order`` the order in
 which the node first needs its shards, and ``cap_lookahead`` bounds what the consumers may pin
-ahead. ``node_dp_ranks`` maps the global ranks of a node to its data-parallel ranks. Pure
-functions of the plan; thread-safe.
+ahead. ``node_dp_ranks`` maps the global ranks of a node to its data-parallel ranks;
+``mix_fields`` decides, alike in every process of the node, whether its epochs are node mixes;
+``key_datasets`` names the cache-key datasets of a dataset.
+Pure functions of the plan (``node_budget`` is read once per node); thread-safe.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ._nodemix import DEFAULT_CHUNK_BYTES, MIX_SHARE
 from ._nodeorder import digest, readonly
 from ._nodeshare import shared_array
 from .cache import NodeCache
 from .config import PrefetchConfig
 from .eviction import Schedule
 from .manifest import Manifest
-from .plan import EpochOrders, PlanSpec, build_plan
+from .nodepolicy import NodePolicy, dataset_of
+from .plan import DEFAULT_WINDOW, EpochOrders, PlanSpec, build_plan
 
-__all__ = ["node_schedule", "warm_order", "cap_lookahead", "node_dp_ranks"]
+__all__ = ["node_schedule", "warm_order", "cap_lookahead", "node_dp_ranks", "mix_fields", "auto_budget", "key_datasets", "sliding_window",
+           "NODE_SHUFFLE"]
 
 
 def node_dp_ranks(ranks: Iterable[int], replication: int = 1) -> list[int]:
@@ -56,8 +62,9 @@ def node_schedule(manifest: Manifest, counts: np.ndarray, spec: PlanSpec, dp_ran
     ident = (digest(readonly(counts)), digest(spec.shard_bytes) if spec.node_placed else None,
              digest(first_plan_order), spec.seed, spec.epoch, spec.shuffle, spec.window, spec.drop_last,
              spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes, spec.placement, ranks,
+             spec.mix_bytes, spec.mix_from, spec.chunk_bytes,
              digest(later), None if orders is None or first_plan_order is not None else digest(orders.epoch_order(spec)))
-    name = "schedule-v1-" + hashlib.blake2b(repr(ident).encode(), digest_size=16).hexdigest()
+    name = "schedule-v2-" + hashlib.blake2b(repr(ident).encode(), digest_size=16).hexdigest()
     shards = len(counts)
     table = shared_array(share_dir, name, lambda: _schedule_table(counts, spec, ranks, first_plan_order, orders),
                          lambda a: a.dtype == _TABLE and a.ndim == 1
@@ -118,3 +125,73 @@ def cap_lookahead(prefetch: PrefetchConfig, cache: NodeCache, manifest: Manifest
     la = min(int(prefetch.lookahead_bytes), cap)
     return dataclasses.replace(prefetch, lookahead_bytes=la,
                                max_lookahead_bytes=max(la, min(int(prefetch.max_lookahead_bytes), cap)))
+
+
+NODE_SHUFFLE = ("auto", "always", "never")
+_ALWAYS = 1 << 62
+
+
+def sliding_window(ram_bytes: int, consumers: int, shard_bytes: int) -> int:
+    """The default sliding window (in shards): ``DEFAULT_WINDOW``, fewer (down to 1) when the
+    node's ``consumers`` would hold more decoded shards than the RAM tier's configured budget
+    (``ram_bytes``; a consumer holds its window's runs). The configured budget, not the one a
+    process found free, so that every process of the node plans alike."""
+    if ram_bytes <= 0:
+        return DEFAULT_WINDOW
+    return int(min(DEFAULT_WINDOW, max(1, ram_bytes // (max(consumers, 1) * max(shard_bytes, 1)))))
+
+
+def mix_fields(node_shuffle: str, shuffle_chunk: int | None, cache: NodeCache, consumers: int, *, epoch: int,
+               datasets: frozenset[str], ident: tuple) -> dict[str, int]:
+    """The ``PlanSpec`` fields of the node mix (``datacache._nodemix``) in ``epoch`` for a dataset
+    on ``cache`` read by the node's ``consumers``: ``"auto"`` mixes from epoch 1 on when the
+    node's share is at most ``MIX_SHARE`` of the cache's budget and no other dataset is in use on
+    the node (``auto_budget``); ``"always"`` every epoch; ``"never"`` none. The chunk: the given
+    ``shuffle_chunk`` bytes, else the RAM tier's budget over 8 x ``consumers``, within 1 to 16 MB.
+    ``datasets``: the cache-key datasets of this one (a mix's streams); ``ident``: what else
+    names this dataset's plan on the node (the decision is made once per node and epoch)."""
+    if node_shuffle not in NODE_SHUFFLE:
+        raise ValueError(f"node_shuffle={node_shuffle!r}: expected one of {', '.join(NODE_SHUFFLE)}")
+    ram = cache.budgets().get("ram", 0)
+    chunk = shuffle_chunk or min(DEFAULT_CHUNK_BYTES, max(1 << 20, ram // (8 * max(consumers, 1))))
+    if node_shuffle == "never" or (node_shuffle == "auto" and epoch < 1):
+        return {"mix_bytes": 0, "chunk_bytes": chunk}
+    if node_shuffle == "always":
+        return {"mix_bytes": _ALWAYS, "mix_from": 0, "chunk_bytes": chunk}
+    return {"mix_bytes": auto_budget(cache, datasets, ident + (epoch,)), "mix_from": 1, "chunk_bytes": chunk}
+
+
+def auto_budget(cache: NodeCache, datasets: frozenset[str], ident: tuple) -> int:
+    """``MIX_SHARE`` of the bytes ``cache`` can hold (every tier's budget) less what other
+    datasets' entries hold in it now, or 0 while a dataset other than ``datasets`` is in use on
+    the node (a published schedule: ``NodePolicy``): their shards compete for the cache, and a
+    mixed epoch whose share is not all local would thrash it. Decided by the first process of the node to ask for
+    ``ident`` and read by the others from the control directory, so every process of the node
+    plans alike (budgets shrink to the free space each process sees when it opens the cache, and
+    other datasets come and go); a resume on the node reads the same decision."""
+    name = "mix-v1-" + hashlib.blake2b(repr(ident).encode(), digest_size=16).hexdigest()
+    known = _decided.get((os.getpid(), name))
+    if known is not None:
+        return known
+
+    def decide() -> np.ndarray:
+        policy = cache.policy
+        if isinstance(policy, NodePolicy):
+            policy.refresh(rescan=True)
+            if set(policy.datasets()) - datasets:
+                return np.zeros(1, dtype=np.int64)
+        others = sum(e.size for key, e in cache.entries() if dataset_of(key) not in datasets)
+        return np.array([max(0, int(MIX_SHARE * sum(cache.budgets().values())) - others)], dtype=np.int64)
+
+    got = int(shared_array(cache.control_dir, name, decide,
+                           lambda a: a.dtype == np.int64 and a.shape == (1,) and int(a[0]) >= 0)[0])
+    _decided[(os.getpid(), name)] = got
+    return got
+
+
+_decided: dict[tuple[int, str], int] = {}  # (pid, decision name) -> mix_bytes: read once per process
+
+
+def key_datasets(manifest: Manifest) -> frozenset[str]:
+    """The datasets of ``manifest``'s cache keys (one; a mix's streams: several)."""
+    return frozenset(dataset_of(manifest.cache_key(i)) for i in range(len(manifest.shards)))

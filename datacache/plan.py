@@ -1,8 +1,8 @@
 """The epoch plan: which samples each consumer reads, in which order. A pure function.
 
-A plan depends only on (shard sample counts, seed, epoch, shuffle, window, drop_last, data-parallel
-size and rank, number of workers, worker id, batch size, and with several nodes the node count
-and shard sizes), so every process can compute every other process's plan: that is how a consumer
+A plan depends only on (shard sample counts, seed, epoch, shuffle, window, the node mix's fields,
+drop_last, data-parallel size and rank, number of workers, worker id, batch size, and with several
+nodes the node count and shard sizes), so every process can compute every other process's plan: that is how a consumer
 knows its future reads exactly, and how the node's cache learns the next use of every shard for
 clairvoyant eviction. Steps:
 
@@ -36,6 +36,9 @@ clairvoyant eviction. Steps:
    ``i + window - 1``. The consumer starts after its first shard (not after a whole window) and
    holds at most ``window`` shards; a larger window mixes more but keeps more shards open.
    The default of 4 mixes each batch across about 4 shards.
+5. Node mix (``datacache._nodemix``, replacing steps 3's order and 4): from epoch
+   ``mix_from`` on, a node whose part's shards fit in ``mix_bytes`` permutes its whole part
+   uniformly before the rank and worker split, and its consumers read in chunks grouped by shard.
 
 Exactly once: across all ranks and workers of an epoch every sample appears once, plus ``padded``
 repeats when ``drop_last=False``. Resuming a partly consumed epoch with another world size uses
@@ -50,6 +53,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ._nodemix import DEFAULT_CHUNK_BYTES, chunk_runs, chunk_samples, mix_positions, node_mixes
 from ._nodeorder import digest, memo, node_part, node_pieces
 from ._pieces import Pieces
 
@@ -63,7 +67,11 @@ DEFAULT_WINDOW = 4
 class PlanSpec:
     """Everything a plan depends on besides the shard sizes. Immutable. ``composed``: the order
     given to ``build_plan`` is final (a mix's composed batches, ``datacache._mixplan``, which
-    lays itself out over ``layout_nodes``): the ranks cut it as it is."""
+    lays itself out over ``layout_nodes``): the ranks cut it as it is. ``mix_bytes``,
+    ``mix_from``: from epoch ``mix_from`` on, a node whose part's shards hold at most
+    ``mix_bytes`` bytes (sample counts without ``shard_bytes``) reads it as one uniform
+    permutation (``datacache._nodemix``; 0: never); ``chunk_bytes``: a mixed consumer's read
+    granule, which changes no sample's position."""
 
     seed: int = 0
     epoch: int = 0
@@ -78,6 +86,9 @@ class PlanSpec:
     num_nodes: int = 1
     placement: str = "node"
     composed: bool = False
+    mix_bytes: int = 0
+    mix_from: int = 1
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     shard_bytes: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -248,6 +259,7 @@ class ConsumerPlan:
     window: int
     padded: int
     run_starts: np.ndarray
+    rows: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self.length
@@ -294,6 +306,9 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
     offsets = _offsets(counts)
     segment, first, ranks, padded = _rank_segment(counts, spec, order)
     per = len(segment) // ranks
+    mixed = _mixed_plan(counts, spec, segment, first, per, padded, shards_only)
+    if mixed is not None:
+        return mixed
     rank = segment.cut((spec.dp_rank - first) * per, (spec.dp_rank - first + 1) * per)
     bounds = _worker_bounds(len(rank), spec.num_workers, spec.batch_size)
     mine = rank.cut(bounds[spec.worker_id], bounds[spec.worker_id + 1])
@@ -314,6 +329,35 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
     perm = np.argsort(keys, kind="stable")
     steps = np.searchsorted(keys[perm], np.arange(len(runs) + window), side="left")
     return ConsumerPlan(runs, steps, piece[perm], run_of[perm], len(piece), window, padded, starts)
+
+
+def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int, per: int, padded: int,
+                shards_only: bool) -> ConsumerPlan | None:
+    """The consumer's plan when its node's part is read as a node mix (``datacache._nodemix``),
+    else None. ``segment`` holds the node's ranks from rank ``first`` on, ``per`` positions each.
+    ``shards_only``: the same runs, without ``samples``/``run_of`` (computed all the same: a
+    mixed consumer's runs depend on its samples)."""
+    node_ranks = spec.dp_size // spec.layout_nodes
+    a = (spec.node * node_ranks - first) * per
+    block = segment.cut(a, a + node_ranks * per)
+    weights = _weights(counts, spec)
+    share = int(weights[np.unique(block.shard)].sum()) if len(block.shard) else 0
+    if not node_mixes(shuffle=spec.shuffle, mix_bytes=spec.mix_bytes, mix_from=spec.mix_from, epoch=spec.epoch,
+                      composed=spec.composed, spread_nodes=spec.num_nodes > 1 and spec.layout_nodes == 1,
+                      share_bytes=share):
+        return None
+    offsets = _offsets(counts)
+    rank_start = (spec.dp_rank - spec.node * node_ranks) * per
+    bounds = _worker_bounds(per, spec.num_workers, spec.batch_size)
+    lo, hi = rank_start + bounds[spec.worker_id], rank_start + min(bounds[spec.worker_id + 1], per)
+    source = mix_positions(np.arange(lo, hi), len(block), seed=spec.seed, epoch=spec.epoch, node=spec.node)
+    piece = block.at(source, offsets)
+    c = chunk_runs(piece, offsets, chunk_samples(spec.chunk_bytes, spec.shard_bytes, counts))
+    if shards_only:
+        return ConsumerPlan(c["runs"], c["steps"], None, None, len(piece), c["window"], padded, c["starts"],
+                            rows=c["rows"])
+    return ConsumerPlan(c["runs"], c["steps"], piece, c["run_of"], len(piece), c["window"], padded, c["starts"],
+                        rows=c["rows"])
 
 
 def remainder_order(counts: np.ndarray, spec: PlanSpec, consumed: list[int],

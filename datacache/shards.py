@@ -153,7 +153,7 @@ class ShardSource:
             if hi - lo <= 4 * len(rows):
                 span = list(r.iter_range(lo, hi))
                 return {i: span[i - lo] for i in rows}
-            return {i: r.get(i) for i in rows}
+            return dict(zip(rows, r.get_many(rows)))
         return self._with_reader(shard, handle, read)
 
     def _with_reader(self, shard: int, handle: CacheHandle, work: Callable[[Any], Any]) -> Any:

@@ -33,7 +33,7 @@ from .config import format_size
 from .errors import CacheError
 
 __all__ = ["pid_alive", "Tier", "ensure_private_dir", "key_id", "KeyLock", "try_pin", "lock_nonblocking",
-           "unlock_close", "remove_if_exists", "GONE", "BUSY", "NO_SPACE_ERRNOS"]
+           "unlock_close", "pinned_files", "remove_if_exists", "GONE", "BUSY", "NO_SPACE_ERRNOS"]
 
 log = logging.getLogger("datacache.cache")
 
@@ -216,6 +216,32 @@ def try_pin(path: str) -> int | None:
         unlock_close(fd)
         return None
     return fd
+
+
+def pinned_files(paths: list[str]) -> list[str] | None:
+    """Those of ``paths`` that some process holds pinned now (a shared ``flock``, as ``try_pin``
+    takes), read from Linux's ``/proc/locks`` (no lock is taken); None where that is unavailable.
+    A snapshot: pins come and go."""
+    try:
+        with open("/proc/locks") as f:
+            text = f.read()
+    except OSError:
+        return None
+    held: set[tuple[int, int, int]] = set()
+    for line in text.splitlines():  # "1: FLOCK  ADVISORY  READ  1234 08:01:5678 0 EOF"; waiters have "->"
+        f = line.split()
+        if len(f) >= 6 and f[1] == "FLOCK" and f[3] == "READ":
+            major, minor, inode = f[5].split(":")
+            held.add((int(major, 16), int(minor, 16), int(inode)))
+    out = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in held:
+            out.append(path)
+    return out
 
 
 def remove_if_exists(path: str) -> None:

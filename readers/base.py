@@ -31,7 +31,8 @@ class ShardReader(abc.ABC):
     """Random and sequential access to the samples of one local shard file.
 
     Subclasses implement :meth:`_open_handles`, :meth:`_close_handles`, :meth:`__len__` and
-    :meth:`_get`, and may override :meth:`_iter_range` with a faster sequential path. They list
+    :meth:`_get`, and may override :meth:`_iter_range` with a faster sequential path and
+    :meth:`_get_many` with a faster path for many sorted indices. They list
     the attributes holding OS resources in ``_HANDLE_ATTRS`` (dropped when pickled).
     Not thread-safe: use one reader per thread.
     """
@@ -102,6 +103,20 @@ class ShardReader(abc.ABC):
         return self._get(index)
 
     __getitem__ = get
+
+    def get_many(self, indices: list[int]) -> list[Sample]:
+        """The samples at ``indices`` (sorted, each in range, else :class:`IndexError`), in that
+        order: what many ``get`` calls return, with the format's faster path where it has one
+        (each block decoded once per call)."""
+        n = len(self)
+        if indices and not (0 <= indices[0] and indices[-1] < n):
+            raise IndexError(f"{self.path}: sample indices {indices[0]}..{indices[-1]} outside [0, {n})")
+        self._ensure_open()
+        return self._get_many(indices)
+
+    def _get_many(self, indices: list[int]) -> list[Sample]:
+        """``get_many`` with checked, sorted ``indices`` and handles open."""
+        return [self._get(i) for i in indices]
 
     def iter_range(self, start: int = 0, stop: int | None = None) -> Iterator[Sample]:
         """Yield samples ``start..stop-1`` in order (empty when ``stop <= start``).

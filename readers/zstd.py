@@ -334,6 +334,18 @@ class ZstdShardReader(_BaseReader):
         offset, length = (int(v) for v in self._samples[index])
         return self._decode(memoryview(self._block(block)), offset, length, index)
 
+    def _get_many(self, indices: list[int]) -> list[Sample]:
+        """Sorted ``indices``: the block of each found at once, each block decoded once."""
+        blocks = (np.searchsorted(self._first, indices, side="right") - 1).tolist()
+        spans = self._samples[indices].tolist()
+        out: list[Sample] = []
+        data, current = memoryview(b""), -1
+        for index, block, (offset, length) in zip(indices, blocks, spans):
+            if block != current:
+                data, current = memoryview(self._block(block)), block
+            out.append(self._decode(data, offset, length, index))
+        return out
+
     def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:
         self._cached = (-1, memoryview(b""))  # a new run decodes afresh: no earlier in-place write shows
         block, i = self._block_of(start), start

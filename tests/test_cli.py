@@ -30,6 +30,7 @@ from datacache.cli import config_from_env, main
 from datacache.hashing import hash_bytes, hash_file
 from datacache.dist import DistInfo
 from datacache.plan import PlanSpec, build_plan
+from datacache.shards import ShardSource
 
 ROOT = Path(__file__).resolve().parents[1]
 N_SHARDS, PER_SHARD, SAMPLE_BYTES = 24, 4, 2000
@@ -488,3 +489,24 @@ def test_warm_ctrl_c_stops_promptly_and_leaves_a_consistent_cache(s3_server: Any
             for t, rec in e.tiers.items():
                 assert hash_file(c.tiers[t].file_path(rec["file"])) == by_key[key].hash
     assert not [f for f in data_dir.iterdir() if f.name.startswith(".")]
+
+
+def test_stat_shows_what_is_pinned(node: Node) -> None:
+    """``stat``: the entries a reader holds pinned now, per tier (read from the kernel's lock
+    table, no lock taken); none once the handles are released."""
+    url = _write(node)
+    run_json(["warm", url], node.env)
+    src = ShardSource.open(url, storage_options=node.opts, cache=node.config)
+    try:
+        handles = [src.fetch(i) for i in range(2)]
+        pinned = run_json(["stat"], node.env)["pinned"]
+        size = sum(src.manifest.shards[i].bytes for i in range(2))
+        assert sum(t["entries"] for t in pinned.values()) == 2, pinned
+        assert sum(t["bytes"] for t in pinned.values()) == size
+        assert "pinned: ram" in run_cli(["stat"], node.env).stdout
+        for h in handles:
+            h.release()
+        assert all(t["entries"] == 0 for t in run_json(["stat"], node.env)["pinned"].values())
+    finally:
+        src.close()
+        src.cache.close()

@@ -21,7 +21,8 @@ counts_st = st.lists(st.integers(0, 50), min_size=1, max_size=20).filter(lambda 
 def specs(draw: st.DrawFn) -> PlanSpec:
     return PlanSpec(seed=draw(st.integers(0, 2**31 - 1)), epoch=draw(st.integers(0, 1000)),
                     shuffle=draw(st.booleans()), window=draw(st.integers(1, 5)), drop_last=draw(st.booleans()),
-                    dp_size=draw(st.integers(1, 5)), num_workers=draw(st.integers(1, 4)))
+                    dp_size=draw(st.integers(1, 5)), num_workers=draw(st.integers(1, 4)),
+                    mix_bytes=draw(st.sampled_from([0, 0, 1 << 40])), chunk_bytes=draw(st.integers(1, 60)))
 
 
 def shard_of(counts: list[int], ids: np.ndarray) -> np.ndarray:
@@ -44,6 +45,7 @@ def test_plan_is_pure(counts: list[int], spec: PlanSpec) -> None:
         assert a[k].runs == b[k].runs and np.array_equal(a[k].steps, b[k].steps) and a[k].padded == b[k].padded
         shards_only = build_plan(np.array(counts), replace(spec, dp_rank=k[0], worker_id=k[1]), shards_only=True)
         assert shards_only.samples is None and shards_only.runs == a[k].runs
+        assert (shards_only.rows is None) == (a[k].rows is None)
         assert len(shards_only) == len(a[k])
 
 
@@ -76,7 +78,8 @@ def test_sliding_window_pipeline(counts: list[int], spec: PlanSpec) -> None:
     each run reads only its own shard's local range."""
     for plan in all_plans(counts, spec).values():
         w = plan.window
-        assert w == (spec.window if spec.shuffle else 1)
+        mixed = plan.rows is not None  # a node mix's (datacache._nodemix): a run stays open for its chunk
+        assert w == (spec.window if spec.shuffle else 1) or mixed
         assert plan.steps[0] == 0 and plan.steps[-1] == len(plan)
         assert np.all(np.diff(plan.steps) >= 0)
         for i in range(len(plan.steps) - 1):

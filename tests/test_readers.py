@@ -168,6 +168,12 @@ def test_roundtrip(fmt: str, set_name: str, tmp_path: Any) -> None:
             stop = rng.randint(start, n)
             assert_samples(list(reader.iter_range(start, stop)), samples[start:stop])
         assert list(reader.iter_range(n, n)) == [] and list(reader.iter_range(n, 0)) == []
+        for k in (1, 3, n):  # many sorted indices at once (a node mix's rows): what get returns
+            rows = sorted(rng.sample(range(n), min(n, k)))
+            assert_samples(reader.get_many(rows), [samples[i] for i in rows])
+        assert reader.get_many([]) == []
+        with pytest.raises(IndexError):
+            reader.get_many([0, n])
 
 
 def test_index_errors(fmt: str, mixed_shard: tuple[str, list[dict[str, Any]]]) -> None:

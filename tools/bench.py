@@ -54,7 +54,7 @@ Shuffle quality, in every scenario beside wall and first-batch time: distinct cl
 over the same for a uniform random permutation, on class-sorted data (the samples are written in
 id order; class = id x 100 // n: ``tools/bench_quality.py``). Matched quality (``--variants``
 ``matched``): ``streaming+match-datacache`` (py1e blocks of datacache's window of shards),
-``datacache+match-streaming`` (window = every shard) and ``datacache+match-litdata`` (window 1);
+``datacache+match-streaming`` (window = every shard) and ``datacache+match-litdata`` (window 1, node_shuffle "never");
 LitData has no knob that mixes across its chunks. ``datacache+dropin`` (warm only): the drop-in
 line, ``torch.utils.data.DataLoader(StreamingDataset(url), batch_size=B)`` over samples, beside
 the default ``datacache.DataLoader(ds, batch_size=B)``; ``datacache+torch`` (warm, small, raw):

@@ -18,7 +18,8 @@ the system's documented shuffle knobs toward X's shuffle quality):
 - ``datacache``: its documented usage, ``datacache.DataLoader(ds, batch_size=B)``, which puts the
   dataset in batched mode (batches are collated in the worker into a shared-memory ring and cross
   to the main process without a copy; see ``datacache._batches``). match-streaming:
-  ``window`` = every shard of the dataset; match-litdata: ``window=1`` (one shard run at a time);
+  ``window`` = every shard of the dataset; match-litdata: ``window=1`` (one shard run at a time)
+  and ``node_shuffle="never"`` (warm epochs too);
   dropin (warm only): the drop-in line, ``torch.utils.data.DataLoader(StreamingDataset(url),
   batch_size=B)`` over samples (torch's per-sample path), beside the default.
 - ``streaming`` (mosaicml-streaming): MDS shards (``MDSWriter``, no compression), S3 through boto3
@@ -157,7 +158,7 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
 
         cfg = datacache.CacheConfig(ram_dir=os.path.join(cache_dir, "ram"), ssd_dir=spec["ssd_dir"],
                                     **({"ram_bytes": C, "ssd_bytes": 0} if C else {}))
-        window = {"match-litdata": {"window": 1},  # one shard run at a time, as LitData reads
+        window = {"match-litdata": {"window": 1, "node_shuffle": "never"},  # one shard run at a time, as LitData reads
                   "match-streaming": {"window": spec.get("shards", 1)}}.get(variant, {})  # every shard
         batched = {"batch_size": bs} if variant == "torch" else {}
         ds = datacache.StreamingDataset(spec["url"], storage_options=spec["storage_options"], cache=cfg,

@@ -47,7 +47,7 @@ VARIANTS = (
     "`shuffle_algo='py1e'`, `num_canonical_nodes=1`, `shuffle_block_size` = datacache's default window in shards "
     "x samples per shard (Streaming's documented shuffle knobs, toward datacache's quality); "
     "`datacache+match-streaming`: `window` = every shard (toward Streaming's); `datacache+match-litdata`: "
-    "`window=1` (toward LitData's). LitData has no knob that mixes across chunks (its `item_shuffle_window` "
+    "`window=1` and `node_shuffle='never'` (toward LitData's). LitData has no knob that mixes across chunks (its `item_shuffle_window` "
     "orders items inside a chunk), so it is not tuned toward datacache's quality. `datacache+dropin` (warm): the "
     "drop-in line `torch.utils.data.DataLoader(StreamingDataset(url), batch_size=B)` over samples, beside the "
     "default `datacache.DataLoader(ds, batch_size=B)`. `datacache+torch` (warm, small, raw): batched mode through "

@@ -23,7 +23,8 @@ def node_specs(draw: st.DrawFn) -> PlanSpec:
     return PlanSpec(seed=draw(st.integers(0, 2**31 - 1)), epoch=draw(st.integers(0, 1000)),
                     shuffle=draw(st.booleans()), window=draw(st.integers(1, 5)), drop_last=draw(st.booleans()),
                     dp_size=nodes * draw(st.integers(1, 3)), num_workers=draw(st.integers(1, 3)), num_nodes=nodes,
-                    batch_size=draw(st.sampled_from([1, 1, 2, 3])))
+                    batch_size=draw(st.sampled_from([1, 1, 2, 3])), mix_bytes=draw(st.sampled_from([0, 0, 1 << 40])),
+                    chunk_bytes=draw(st.integers(1, 40)))
 
 
 def all_plans(counts: list[int], spec: PlanSpec, **kw):

@@ -1,0 +1,166 @@
+"""The node mix (datacache._nodemix): a warm epoch is one uniform permutation of the node's share.
+
+Statistical checks with fixed seeds, not timed: on class-sorted data (class = id x 100 // n) the
+batches of a node-mixed epoch hold at least 0.9 of the distinct classes a uniform random
+permutation's batches hold (the bench's case and a dataset far larger than any window), while the
+sliding window's hold about 0.4; exactly once through real DataLoader workers; the rules for when
+an epoch mixes. Resuming a mixed epoch is checked by tests/test_resume.py (epochs 1 and 2 of its
+dataset are node-mixed: it fits in the test cache)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from datacache import NodeCache, StreamingDataset, write_dataset
+from datacache._nodemix import chunk_bounds, chunk_runs, mix_positions
+from datacache.plan import PlanSpec, build_plan
+from tests.helpers.plans import SETTINGS
+
+CLASSES = 100
+
+
+def expected_distinct(n: int, b: int) -> float:
+    """Mean distinct classes in a uniform random ``b``-subset of ``n`` class-sorted samples."""
+    sizes = np.bincount(np.arange(n) * CLASSES // n, minlength=CLASSES)
+    # P(class c absent) = C(n - s_c, b) / C(n, b), as a running product
+    absent = np.ones(CLASSES)
+    for k in range(b):
+        absent *= np.clip((n - sizes - k) / (n - k), 0, None)
+    return float(np.sum(1 - absent))
+
+
+def quality(batches: list[np.ndarray], n: int) -> float:
+    """Mean distinct classes per full batch over a uniform random permutation's."""
+    b = len(batches[0])
+    full = [x for x in batches if len(x) == b]
+    return float(np.mean([len(np.unique(x * CLASSES // n)) for x in full])) / expected_distinct(n, b)
+
+
+def plan_batches(n: int, per_shard: int, sample_bytes: int, *, dp: int = 1, workers: int = 2, bs: int = 32,
+                 mix_bytes: int = 1 << 62, epoch: int = 1) -> list[np.ndarray]:
+    counts = np.full(-(-n // per_shard), per_shard)
+    counts[-1] = n - per_shard * (len(counts) - 1)
+    base = PlanSpec(seed=7, epoch=epoch, dp_size=dp, num_workers=workers, batch_size=bs, mix_bytes=mix_bytes,
+                    shard_bytes=counts * sample_bytes)
+    out, seen = [], []
+    for r in range(dp):
+        for w in range(workers):
+            s = build_plan(counts, replace(base, dp_rank=r, worker_id=w)).samples
+            seen.append(s)
+            out += [s[i:i + bs] for i in range(0, len(s), bs)]
+    assert sorted(np.concatenate(seen).tolist()) == list(range(n))  # exactly once (n divides evenly here)
+    return out
+
+
+@pytest.mark.parametrize("n, per_shard, sample_bytes, dp", [
+    (8000, 256, 64 << 10, 1),  # the bench's dataset: 8,000 x 64 KB in 16 MB shards, 2 workers
+    (8000, 256, 64 << 10, 4),  # 4 ranks of one node
+    (200_000, 4096, 4 << 10, 1),  # far larger than any window: 200,000 x 4 KB, 100 classes of 2,000
+])
+def test_class_sorted_batches_reach_random_quality(n: int, per_shard: int, sample_bytes: int, dp: int) -> None:
+    mixed = quality(plan_batches(n, per_shard, sample_bytes, dp=dp), n)
+    window = quality(plan_batches(n, per_shard, sample_bytes, dp=dp, mix_bytes=0), n)
+    assert mixed >= 0.9, f"node-mixed batches hold {mixed:.2f} of random's classes"
+    assert window < 0.6, f"the sliding window's batches hold {window:.2f}: the data is not class-sorted"
+
+
+def test_when_an_epoch_mixes() -> None:
+    counts = np.full(20, 50)
+    spec = PlanSpec(seed=1, epoch=1, dp_size=2, num_workers=2, shard_bytes=counts * 100)
+    window = build_plan(counts, spec)
+    assert window.rows is None
+    assert build_plan(counts, replace(spec, mix_bytes=100_000)).rows is not None  # the share: 20 x 5,000 B
+    for no in (dict(mix_bytes=99_999), dict(mix_bytes=100_000, epoch=0), dict(mix_bytes=100_000, shuffle=False),
+               dict(mix_bytes=100_000, mix_from=2)):
+        other = build_plan(counts, replace(spec, **no))
+        assert other.rows is None, no
+        if no.get("epoch", 1) == 1 and no.get("shuffle", True):
+            assert np.array_equal(other.samples, window.samples), no
+    # several nodes with placement="global": every node would need every shard
+    assert build_plan(counts, replace(spec, dp_size=4, num_nodes=2, placement="global", mix_bytes=1 << 40)).rows is None
+    assert build_plan(counts, replace(spec, dp_size=4, num_nodes=2, mix_bytes=1 << 40)).rows is not None
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 64, 1000, 4097])
+def test_mix_positions_is_a_permutation(length: int) -> None:
+    a = mix_positions(np.arange(length), length, seed=0, epoch=1, node=0)
+    assert sorted(a.tolist()) == list(range(length))
+    assert np.array_equal(mix_positions(np.arange(3, length), length, seed=0, epoch=1, node=0), a[3:])
+    if length > 64:
+        assert not np.array_equal(a, mix_positions(np.arange(length), length, seed=0, epoch=2, node=0))
+        assert not np.array_equal(a, mix_positions(np.arange(length), length, seed=0, epoch=1, node=1))
+
+
+@SETTINGS
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=12), st.integers(0, 2**31 - 1), st.integers(1, 50))
+def test_chunks_group_rows_by_shard(counts: list[int], seed: int, chunk: int) -> None:
+    """Each run reads sorted rows of one shard within its chunk; a chunk's positions come only from its runs."""
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    n = int(offsets[-1])
+    piece = np.random.default_rng(seed).permutation(n)
+    c = chunk_runs(piece, offsets, chunk)
+    bounds = chunk_bounds(n, chunk)
+    assert bounds[0] == 0 and np.all(np.diff(bounds) <= chunk) and np.all(np.diff(bounds) >= 1)
+    assert c["steps"][-1] == n and np.all(np.diff(c["steps"]) >= 0)
+    for r, ((shard, lo, hi), rows) in enumerate(zip(c["runs"], c["rows"])):
+        mine = piece[c["run_of"] == r]
+        assert np.array_equal(np.sort(mine - offsets[shard]), rows) and rows[0] == lo and rows[-1] == hi - 1
+        positions = np.flatnonzero(c["run_of"] == r)
+        assert len(set(np.searchsorted(bounds, positions, side="right").tolist())) == 1  # one chunk's
+    per_chunk = Counter(int(s) for s in c["starts"])
+    assert max(per_chunk.values()) == c["window"]
+
+
+@pytest.fixture(scope="module")
+def sorted_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    url = f"file://{tmp_path_factory.mktemp('mix')}/ds"
+    m = write_dataset(({"i": i, "x": np.full(64, i, dtype=np.int32)} for i in range(N)), url,
+                      shard_bytes=8000, progress=False)
+    assert len(m.shards) >= 20
+    return url
+
+
+N = 2400
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("node_shuffle", ["auto", "never"])
+def test_warm_epoch_is_node_mixed_through_workers(sorted_url: str, cache: NodeCache, node_shuffle: str) -> None:
+    """Epoch 0 (cold) reads through the sliding window; epoch 1, its share cached, as one node mix:
+    random-like batches through 2 DataLoader workers, every sample once in each epoch."""
+    from datacache import DataLoader
+
+    ds = StreamingDataset(sorted_url, cache=cache, seed=5, node_shuffle=node_shuffle)
+    loader = DataLoader(ds, batch_size=32, num_workers=2)
+    q = []
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        batches = [b["i"].numpy() for b in loader]
+        ids = np.concatenate(batches)
+        assert sorted(ids.tolist()) == list(range(N)), f"epoch {epoch}: not every sample once"
+        q.append(quality(batches, N))
+    ds.close()
+    assert q[0] < 0.6
+    if node_shuffle == "auto":
+        assert q[1] >= 0.9, q
+    else:
+        assert q[1] < 0.6, q
+
+
+def test_node_shuffle_is_checked(sorted_url: str, cache: NodeCache) -> None:
+    with pytest.raises(ValueError, match="node_shuffle='sometimes': expected one of auto, always, never"):
+        StreamingDataset(sorted_url, cache=cache, node_shuffle="sometimes")
+
+
+def test_always_mixes_the_first_epoch(sorted_url: str, cache: NodeCache) -> None:
+    ds = StreamingDataset(sorted_url, cache=cache, seed=5, node_shuffle="always", batch_size=32)
+    batches = [b["i"].numpy() for b in torch.utils.data.DataLoader(ds, batch_size=None)]
+    ds.close()
+    assert sorted(np.concatenate(batches).tolist()) == list(range(N))
+    assert quality(batches, N) >= 0.9
