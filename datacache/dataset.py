@@ -38,7 +38,7 @@ from .manifest import Manifest
 from .nodeplan import (NODE_SHUFFLE, cap_lookahead, key_datasets, mix_fields, node_dp_ranks, node_schedule,
                        sliding_window, worth_sharing)
 from .plan import ConsumerPlan, PlanSpec, build_plan
-from .resume import ResumeState, common_state, rank_state, resume_plan, start_state
+from .resume import ResumeState, common_state, plan_mix, rank_state, resume_plan, resume_spec, start_state
 from ._rounds import Rounds, WorkerBatches
 from ._headstart import RUNS_PER_WORKER, HeadStart
 from ._mixsource import MixedSource, open_source
@@ -242,7 +242,7 @@ class StreamingDataset(tud.IterableDataset):
             self._resume = None  # set_epoch moved on (seen here only through the shared epoch)
         num_workers, worker_id = (info.num_workers, self._plan_worker(info)) if info is not None else (1, 0)
         self._worker = (worker_id, num_workers)
-        spec = self._spec(num_workers, worker_id)
+        spec = resume_spec(self._spec(num_workers, worker_id), self._resume)
         order, skip = resume_plan(self.counts, spec, self._resume, orders=self._mix)
         plan = build_plan(self.counts, spec, order=order)
         schedule = None
@@ -336,19 +336,22 @@ class StreamingDataset(tud.IterableDataset):
                 return self._resume.to_dict()
             return self._resume.pending(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
                                         worker_id=worker_id, batch_size=self.batch_size or 1,
-                                        num_nodes=self.num_nodes).to_dict()
+                                        num_nodes=self.num_nodes,
+                                        mix=plan_mix(self._spec(num_workers, worker_id))).to_dict()
         base = self._resume_base
         if base is None or base.epoch != self.epoch:
             base = start_state(epoch=self.epoch, seed=self.seed, dataset_id=self.manifest.dataset_id,
                                dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
-                               batch_size=self.batch_size or 1, num_nodes=self.num_nodes)
+                               batch_size=self.batch_size or 1, num_nodes=self.num_nodes,
+                               mix=plan_mix(self._spec(num_workers, worker_id)))
+        mix = plan_mix(resume_spec(self._spec(num_workers, worker_id), base))  # what this epoch's plan used
         consumed = 0
         if self._consumer is not None and self._consumer.epoch == self.epoch:
             delivered = getattr(self, "_delivered", None)
             consumed = self._consumer.consumed if delivered is None else delivered
         return base.advanced(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
                              worker_id=worker_id, consumed=consumed, batch_size=self.batch_size or 1,
-                             num_nodes=self.num_nodes).to_dict()
+                             num_nodes=self.num_nodes, mix=mix).to_dict()
 
     def _plan_worker(self, info: Any) -> int:
         """The plan worker DataLoader worker ``info.id`` plays (``ResumeState.plan_worker``)."""
@@ -365,12 +368,14 @@ class StreamingDataset(tud.IterableDataset):
         resume = self._pending()
         layout = dict(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
                       batch_size=self.batch_size or 1, num_nodes=self.num_nodes)
-        start = resume or start_state(epoch=self.epoch, seed=self.seed, dataset_id=self.manifest.dataset_id, **layout)
+        start = resume or start_state(epoch=self.epoch, seed=self.seed, dataset_id=self.manifest.dataset_id,
+                                      mix=plan_mix(self._spec(num_workers, 0)), **layout)
 
         def workers() -> list[WorkerBatches]:
             return [self._batches(*self._worker_plan(num_workers, w, resume, start.epoch)) for w in range(num_workers)]
 
-        base = start.advanced(worker_id=0, consumed=0, **layout)
+        base = start.advanced(worker_id=0, consumed=0, mix=plan_mix(resume_spec(self._spec(num_workers, 0), resume)),
+                              **layout)
         return Rounds(base=base, make_workers=workers)
 
     def head_start(self, num_workers: int) -> HeadStart | None:
@@ -398,7 +403,7 @@ class StreamingDataset(tud.IterableDataset):
                      shards_only: bool = False) -> tuple[ConsumerPlan, int]:
         """(plan, plan positions already delivered) of DataLoader worker ``w`` of ``num_workers``
         in ``epoch``, continuing from ``resume``: what that worker's ``__iter__`` computes."""
-        spec = self._spec(num_workers, w, epoch=epoch)
+        spec = resume_spec(self._spec(num_workers, w, epoch=epoch), resume)
         order, skip = resume_plan(self.counts, spec, resume, orders=self._mix)
         return build_plan(self.counts, spec, order=order, shards_only=shards_only), skip
 

@@ -36,9 +36,17 @@ import numpy as np
 
 from .plan import EpochOrders, PlanSpec, remainder_order
 
-__all__ = ["STATE_VERSION", "Link", "ResumeState", "start_state", "rank_state", "common_state", "resume_plan"]
+__all__ = ["STATE_VERSION", "NO_MIX", "Link", "ResumeState", "start_state", "rank_state", "common_state",
+           "resume_plan", "resume_spec", "plan_mix"]
 
 STATE_VERSION = 2
+NO_MIX = (0, 1)  # (mix_bytes, mix_from) of a plan without the node mix: what older states were saved with
+
+
+def _check_mix(mix: Any) -> None:
+    if not (isinstance(mix, tuple) and len(mix) == 2 and all(isinstance(v, (int, np.integer)) and v >= 0
+                                                             for v in mix)):
+        raise ValueError(f"resume state: mix={mix!r}, expected (mix_bytes, mix_from) integers >= 0; {_HOW}")
 _HOW = ("pass what StreamingDataset.state_dict() or StatefulDataLoader.state_dict() returned "
         "(see datacache.resume)")
 
@@ -58,8 +66,10 @@ class Link:
     consumed: tuple[int, ...]
     batch_size: int = 1
     num_nodes: int = 1
+    mix: tuple[int, int] = NO_MIX
 
     def __post_init__(self) -> None:
+        _check_mix(self.mix)
         _count("dp_size", self.dp_size, 1)
         _count("num_workers", self.num_workers, 1)
         _count("batch_size", self.batch_size, 1)
@@ -71,12 +81,13 @@ class Link:
 
     def to_dict(self) -> dict[str, Any]:
         return {"dp_size": self.dp_size, "num_workers": self.num_workers, "consumed": list(self.consumed),
-                "batch_size": self.batch_size, "num_nodes": self.num_nodes}
+                "batch_size": self.batch_size, "num_nodes": self.num_nodes, "mix": list(self.mix)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Link:
         return cls(dp_size=d["dp_size"], num_workers=d["num_workers"], consumed=tuple(d["consumed"]),
-                   batch_size=d.get("batch_size", 1), num_nodes=d.get("num_nodes", 1))
+                   batch_size=d.get("batch_size", 1), num_nodes=d.get("num_nodes", 1),
+                   mix=tuple(d.get("mix", NO_MIX)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,8 +111,10 @@ class ResumeState:
     batch_size: int = 1  # the plan's (batched mode's); states without one were saved with 1
     num_nodes: int = 1  # the plan's node count (node placement); likewise
     next_worker: int = 0  # the plan worker whose batch comes next (datacache._rounds); 0 in older states
+    mix: tuple[int, int] = NO_MIX  # the epoch's node-mix decision on the saving rank's node (PlanSpec fields)
 
     def __post_init__(self) -> None:
+        _check_mix(self.mix)
         _count("epoch", self.epoch)
         _count("dp_size", self.dp_size, 1)
         _count("num_workers", self.num_workers, 1)
@@ -130,7 +143,8 @@ class ResumeState:
         return {"version": self.version, "epoch": self.epoch, "seed": self.seed, "dataset_id": self.dataset_id,
                 "dp_size": self.dp_size, "dp_rank": self.dp_rank, "num_workers": self.num_workers,
                 "consumed": list(self.consumed), "chain": [link.to_dict() for link in self.chain],
-                "batch_size": self.batch_size, "num_nodes": self.num_nodes, "next_worker": self.next_worker}
+                "batch_size": self.batch_size, "num_nodes": self.num_nodes, "next_worker": self.next_worker,
+                "mix": list(self.mix)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ResumeState:
@@ -149,7 +163,7 @@ class ResumeState:
                        num_workers=d["num_workers"], consumed=tuple(consumed), dp_rank=d.get("dp_rank"),
                        chain=tuple(Link.from_dict(link) for link in d.get("chain", ())),
                        batch_size=d.get("batch_size", 1), num_nodes=d.get("num_nodes", 1),
-                       next_worker=d.get("next_worker", 0))
+                       next_worker=d.get("next_worker", 0), mix=tuple(d.get("mix", NO_MIX)))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"resume state: missing or malformed field {exc}; {_HOW}") from None
 
@@ -180,19 +194,22 @@ class ResumeState:
         if not self.complete:
             raise self._incomplete("an elastic resume")
         return Link(dp_size=self.dp_size, num_workers=self.num_workers, consumed=tuple(int(c) for c in self.consumed),
-                    batch_size=self.batch_size, num_nodes=self.num_nodes)
+                    batch_size=self.batch_size, num_nodes=self.num_nodes, mix=self.mix)
 
     def advanced(self, *, dp_size: int, dp_rank: int, num_workers: int, worker_id: int,
-                 consumed: int | None, batch_size: int = 1, num_nodes: int = 1) -> ResumeState:
+                 consumed: int | None, batch_size: int = 1, num_nodes: int = 1,
+                 mix: tuple[int, int] | None = None) -> ResumeState:
         """The state of consumer ``worker_id`` that started from this state and has delivered
-        ``consumed`` samples of its plan (the other workers' counts unknown to it)."""
+        ``consumed`` samples of its plan (the other workers' counts unknown to it). ``mix``: the
+        node-mix decision its plan was built with (default: this state's in its own layout)."""
         same = self.same_layout(dp_size, num_workers, batch_size, num_nodes)
         chain = self.chain if same else self.chain + (self.as_link(),)
         counts: list[int | None] = [None] * num_workers
         counts[worker_id] = consumed
         return replace(self, dp_size=dp_size, dp_rank=dp_rank, num_workers=num_workers, consumed=tuple(counts),
                        chain=chain, version=STATE_VERSION, batch_size=batch_size, num_nodes=num_nodes,
-                       next_worker=self.next_worker if same else 0)
+                       next_worker=self.next_worker if same else 0,
+                       mix=tuple(mix) if mix is not None else (self.mix if same else NO_MIX))
 
     def plan_worker(self, worker: int, num_workers: int) -> int:
         """The plan worker DataLoader worker ``worker`` plays when it resumes from this state in
@@ -200,21 +217,38 @@ class ResumeState:
         return (worker + self.next_worker) % num_workers
 
     def pending(self, *, dp_size: int, dp_rank: int, num_workers: int, worker_id: int,
-                batch_size: int = 1, num_nodes: int = 1) -> ResumeState:
+                batch_size: int = 1, num_nodes: int = 1, mix: tuple[int, int] | None = None) -> ResumeState:
         """What a DataLoader worker that loaded this state but has not delivered anything reports,
         in its own layout (so it merges with the states of its fellow workers that did); ``None``
-        if this state lacks the worker's count (then ``rank_state`` refuses the loader's state)."""
-        own = self.consumed[worker_id] if self.same_layout(dp_size, num_workers, batch_size, num_nodes) else 0
+        if this state lacks the worker's count (then ``rank_state`` refuses the loader's state).
+        ``mix``: the decision a new layout's plan will use."""
+        same = self.same_layout(dp_size, num_workers, batch_size, num_nodes)
+        own = self.consumed[worker_id] if same else 0
         return self.advanced(dp_size=dp_size, dp_rank=dp_rank, num_workers=num_workers, worker_id=worker_id,
-                             consumed=own, batch_size=batch_size, num_nodes=num_nodes)
+                             consumed=own, batch_size=batch_size, num_nodes=num_nodes, mix=None if same else mix)
 
 
 def start_state(*, epoch: int, seed: int, dataset_id: str, dp_size: int, dp_rank: int, num_workers: int,
-                batch_size: int = 1, num_nodes: int = 1) -> ResumeState:
-    """The state at the start of an epoch (nothing delivered, no chain)."""
+                batch_size: int = 1, num_nodes: int = 1, mix: tuple[int, int] = NO_MIX) -> ResumeState:
+    """The state at the start of an epoch (nothing delivered, no chain); ``mix``: the epoch's
+    node-mix decision (``PlanSpec.mix_bytes``, ``mix_from``)."""
     return ResumeState(epoch=epoch, seed=seed, dataset_id=dataset_id, dp_size=dp_size, dp_rank=dp_rank,
                        num_workers=num_workers, consumed=(0,) * num_workers, batch_size=batch_size,
-                       num_nodes=num_nodes)
+                       num_nodes=num_nodes, mix=tuple(mix))
+
+
+def plan_mix(spec: PlanSpec) -> tuple[int, int]:
+    """A spec's node-mix decision, as a state records it."""
+    return (int(spec.mix_bytes), int(spec.mix_from))
+
+
+def resume_spec(spec: PlanSpec, state: ResumeState | None) -> PlanSpec:
+    """``spec`` with the node-mix decision a consumer continuing from ``state`` in the same layout
+    must plan with: the one the state's epoch was read with (recorded, so that a resume on another
+    node, whose cache may decide otherwise, reads the same order); ``spec`` as is otherwise."""
+    if state is None or not state.same_layout(spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes):
+        return spec
+    return replace(spec, mix_bytes=state.mix[0], mix_from=state.mix[1])
 
 
 def _worker_state(snapshot: Mapping[str, Any], key: str) -> ResumeState:
@@ -225,7 +259,8 @@ def _worker_state(snapshot: Mapping[str, Any], key: str) -> ResumeState:
 
 
 def _key(s: ResumeState) -> tuple[Any, ...]:
-    return s.epoch, s.seed, s.dataset_id, s.dp_size, s.num_workers, s.batch_size, s.num_nodes, s.chain, s.next_worker
+    return (s.epoch, s.seed, s.dataset_id, s.dp_size, s.num_workers, s.batch_size, s.num_nodes, s.chain,
+            s.next_worker, s.mix)
 
 
 def rank_state(state: Any) -> ResumeState:
@@ -277,8 +312,10 @@ def common_state(states: Sequence[Any]) -> ResumeState:
 
 
 def _link_spec(spec: PlanSpec, link: Link | ResumeState) -> PlanSpec:
+    """The spec of the layout that read ``link``, with the node-mix decision it recorded (every old
+    node taken to have decided as the saving rank's did)."""
     return replace(spec, dp_size=link.dp_size, num_workers=link.num_workers, batch_size=link.batch_size,
-                   num_nodes=link.num_nodes, dp_rank=0, worker_id=0)
+                   num_nodes=link.num_nodes, dp_rank=0, worker_id=0, mix_bytes=link.mix[0], mix_from=link.mix[1])
 
 
 def resume_plan(counts: np.ndarray, spec: PlanSpec, state: ResumeState | None,
