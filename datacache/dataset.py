@@ -37,7 +37,7 @@ from .dist import DistInfo, detect, plan_nodes
 from .manifest import Manifest
 from .nodeplan import (NODE_SHUFFLE, cap_lookahead, key_datasets, mix_fields, node_dp_ranks, node_schedule,
                        sliding_window, worth_sharing)
-from .plan import ConsumerPlan, PlanSpec, build_plan
+from .plan import ConsumerPlan, PlanSpec, build_plan, mixed_share
 from .resume import ResumeState, common_state, plan_mix, rank_state, resume_plan, resume_spec, start_state
 from ._rounds import Rounds, WorkerBatches
 from ._headstart import RUNS_PER_WORKER, HeadStart
@@ -381,9 +381,11 @@ class StreamingDataset(tud.IterableDataset):
     def head_start(self, num_workers: int) -> HeadStart | None:
         """Fetch, from this (the training) process, the first shards of ``num_workers`` DataLoader
         workers that have just begun the epoch (``datacache._headstart``); ``None`` when a resume
-        is pending (the workers start mid-plan) or there is nothing to read."""
+        is pending (the workers start mid-plan), the epoch is a node mix, or there is nothing to read."""
         if self._pending() is not None:
             return None
+        if self._mix is None and mixed_share(self.counts, self._spec(num_workers, 0)) is not None:
+            return None  # a node mix reads from every shard of the share at once: no first shards to get
         runs = []
         for w in range(num_workers):
             plan, _ = self._worker_plan(num_workers, w, None, self.epoch, shards_only=True)

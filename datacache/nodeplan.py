@@ -26,7 +26,7 @@ from .config import PrefetchConfig
 from .eviction import Schedule
 from .manifest import Manifest
 from .nodepolicy import NodePolicy, dataset_of
-from .plan import DEFAULT_WINDOW, EpochOrders, PlanSpec, build_plan
+from .plan import DEFAULT_WINDOW, EpochOrders, PlanSpec, build_plan, mixed_share
 
 __all__ = ["node_schedule", "warm_order", "cap_lookahead", "node_dp_ranks", "mix_fields", "auto_budget", "key_datasets", "sliding_window",
            "NODE_SHUFFLE"]
@@ -80,9 +80,17 @@ _TABLE = np.dtype([("shard", "<i8"), ("time", "<f8")])
 
 def _schedule_table(counts: np.ndarray, spec: PlanSpec, dp_ranks: list[int], first_plan_order: np.ndarray | None,
                     orders: EpochOrders | None = None) -> np.ndarray:
-    """(shard, time) of every run of every consumer of the node, this epoch and the next."""
+    """(shard, time) of every run of every consumer of the node, this epoch and the next; in a
+    node-mixed epoch, every shard of the node's share once at the epoch's start (all of them are
+    read throughout it), without building the consumers' plans."""
     rows: list[tuple[int, float]] = []
     for epoch in (spec.epoch, spec.epoch + 1):
+        first = first_plan_order if epoch == spec.epoch else None
+        share = None if orders is not None or not dp_ranks else \
+            mixed_share(counts, dataclasses.replace(spec, epoch=epoch, dp_rank=dp_ranks[0]), first)
+        if share is not None:  # a node mix: every consumer reads every shard of the share all epoch long
+            rows += [(int(s), float(epoch)) for s in share]
+            continue
         for r in dp_ranks:
             for w in range(spec.num_workers):
                 sub = dataclasses.replace(spec, epoch=epoch, dp_rank=r, worker_id=w)

@@ -58,7 +58,7 @@ from ._nodeorder import digest, memo, node_part, node_pieces
 from ._pieces import Pieces
 
 __all__ = ["PlanSpec", "EpochOrders", "ConsumerPlan", "global_order", "split_even", "build_plan", "remainder_order",
-           "DEFAULT_WINDOW"]
+           "mixed_share", "DEFAULT_WINDOW"]
 
 DEFAULT_WINDOW = 4
 
@@ -331,12 +331,9 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
     return ConsumerPlan(runs, steps, piece[perm], run_of[perm], len(piece), window, padded, starts)
 
 
-def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int, per: int, padded: int,
-                shards_only: bool) -> ConsumerPlan | None:
-    """The consumer's plan when its node's part is read as a node mix (``datacache._nodemix``),
-    else None. ``segment`` holds the node's ranks from rank ``first`` on, ``per`` positions each.
-    ``shards_only``: the same runs, without ``samples``/``run_of`` (computed all the same: a
-    mixed consumer's runs depend on its samples)."""
+def _mix_block(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int, per: int) -> Pieces | None:
+    """The node's part of ``segment`` (which holds the node's ranks from rank ``first`` on,
+    ``per`` positions each) when ``spec``'s epoch is a node mix there, else None."""
     node_ranks = spec.dp_size // spec.layout_nodes
     a = (spec.node * node_ranks - first) * per
     block = segment.cut(a, a + node_ranks * per)
@@ -346,6 +343,28 @@ def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int,
                       composed=spec.composed, spread_nodes=spec.num_nodes > 1 and spec.layout_nodes == 1,
                       share_bytes=share):
         return None
+    return block
+
+
+def mixed_share(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = None) -> np.ndarray | None:
+    """The shards of ``spec``'s node's part when the epoch is a node mix there (every consumer of
+    the node reads from all of them throughout the epoch), else None. O(shards)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    segment, first, ranks, _ = _rank_segment(counts, spec, order)
+    block = _mix_block(counts, spec, segment, first, len(segment) // ranks)
+    return None if block is None else np.unique(block.shard[block.hi > block.lo])
+
+
+def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int, per: int, padded: int,
+                shards_only: bool) -> ConsumerPlan | None:
+    """The consumer's plan when its node's part is read as a node mix (``datacache._nodemix``),
+    else None. ``segment`` holds the node's ranks from rank ``first`` on, ``per`` positions each.
+    ``shards_only``: the same runs, without ``samples``/``run_of`` (computed all the same: a
+    mixed consumer's runs depend on its samples)."""
+    block = _mix_block(counts, spec, segment, first, per)
+    if block is None:
+        return None
+    node_ranks = spec.dp_size // spec.layout_nodes
     offsets = _offsets(counts)
     rank_start = (spec.dp_rank - spec.node * node_ranks) * per
     bounds = _worker_bounds(per, spec.num_workers, spec.batch_size)

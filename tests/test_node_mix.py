@@ -216,3 +216,18 @@ def test_a_mixed_epoch_resumes_where_the_cache_decides_otherwise(sorted_url: str
     assert _ids(d) == _ids(window)
     d.close()
     window.close()
+
+
+def test_the_mixed_share_is_what_the_consumers_read() -> None:
+    """``plan.mixed_share`` (what the node schedule and the head start use instead of every
+    consumer's plan): the shards the node's mixed consumers read, None for a windowed epoch."""
+    from datacache.plan import mixed_share
+
+    counts = np.array([30, 0, 25, 40, 10, 35, 20, 15])
+    spec = PlanSpec(seed=2, epoch=1, dp_size=4, num_nodes=2, num_workers=2, mix_bytes=1 << 40)
+    for node_rank in (0, 2):
+        read = {run[0] for r in (node_rank, node_rank + 1) for w in range(2)
+                for run in build_plan(counts, replace(spec, dp_rank=r, worker_id=w)).runs}
+        assert set(mixed_share(counts, replace(spec, dp_rank=node_rank)).tolist()) == read
+    assert mixed_share(counts, replace(spec, mix_bytes=0)) is None
+    assert mixed_share(counts, replace(spec, epoch=0)) is None
