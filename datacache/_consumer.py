@@ -5,7 +5,9 @@ It runs a two-stage pipeline over its runs, both through the one shard path (``s
 (``Prefetcher``, adaptive thread pool) gets each run's shard into the cache far ahead; stage 2
 (one decode thread) takes the next runs' pinned shards, reads their ranges sequentially (each
 block decompressed once) and unpins them. The consumer then walks the plan's steps, yielding samples in the
-shuffled order while at most ``window`` runs are open. Not thread-safe: one consumer per thread.
+shuffled order while at most ``window`` runs are open. A node-mixed plan's run (``datacache._nodemix``)
+is one shard's rows of one chunk, read with ``read_rows``; its step yields the whole chunk once every
+run of the chunk is open. Not thread-safe: one consumer per thread.
 """
 from __future__ import annotations
 
