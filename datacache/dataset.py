@@ -76,10 +76,11 @@ class StreamingDataset(tud.IterableDataset):
     - ``node_shuffle``: "auto" (default): from epoch 1 on, when the node's share of the dataset
       fits in the node cache (at most 0.9 of its budget), each epoch is one uniform permutation of
       the node's share across all its ranks and workers (a global shuffle's quality within the
-      node; ``datacache._nodemix``); "always": every epoch, the first too (for a cache warmed
-      beforehand: a cold epoch then waits for about one batch's shards before its first batch);
+      node; ``datacache._nodemix``), and epoch 0 too when the share is already cached (a cache
+      warmed with ``datacache warm``); "always": every epoch, the first too (on a cold cache the
+      first batch then waits for about one batch's shards);
       "never": the sliding window only. ``shuffle_chunk``: bytes a node-mixed consumer reads per
-      chunk (default: the RAM tier's budget over 8 x the node's consumers, within 1 to 16 MB).
+      chunk (default: the RAM tier's budget over 8 x the node's consumers, within 1 to 64 MB).
     - ``transform``: applied to each sample (in the consumer's process) before it is yielded.
     - ``batch_size``: when set, yields collated batches (``collate_fn``, default: what
       ``default_collate`` makes, with tensors, arrays and numbers written once into a
@@ -188,17 +189,27 @@ class StreamingDataset(tud.IterableDataset):
             self.source.check_layout(self.dp_size, self.batch_size)
         shuffle = self.shuffle and not self._composed  # a composed order stays as it is
         consumers = len(self._node_dp_ranks()) * num_workers
-        mix = mix_fields(self.node_shuffle, self.shuffle_chunk, self.cache, consumers,
-                         epoch=self.epoch if epoch is None else epoch, datasets=self._key_datasets,
+        epoch = self.epoch if epoch is None else epoch
+        mix = mix_fields(self.node_shuffle, self.shuffle_chunk, self.cache, consumers, epoch=epoch,
+                         datasets=self._key_datasets, share_cached=None if self._mix is not None else
+                         lambda budget: self._share_cached(epoch, budget),
                          ident=(self.manifest.dataset_id, self.seed, self.dp_size, self.num_nodes,
                                 self.dp_rank * self.num_nodes // self.dp_size)) if mixes and shuffle else {}
-        return PlanSpec(seed=self.seed, epoch=self.epoch if epoch is None else epoch, shuffle=shuffle,
+        return PlanSpec(seed=self.seed, epoch=epoch, shuffle=shuffle,
                         window=self.window or sliding_window(self.cache.config.ram_bytes, consumers,
                                                              int(self.shard_bytes.max(initial=1))),
                         drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,
                         num_workers=num_workers, worker_id=worker_id, batch_size=self.batch_size or 1,
                         num_nodes=self.num_nodes, placement=self.placement, composed=self._composed,
                         shard_bytes=self.shard_bytes, **mix)
+
+    def _share_cached(self, epoch: int, budget: int) -> bool:
+        """Whether every shard of this node's share, mixed with ``budget``, is in the cache now."""
+        spec = PlanSpec(seed=self.seed, epoch=epoch, dp_size=self.dp_size, dp_rank=self.dp_rank,
+                        batch_size=self.batch_size or 1, drop_last=self.drop_last, num_nodes=self.num_nodes,
+                        placement=self.placement, shard_bytes=self.shard_bytes, mix_bytes=budget, mix_from=0)
+        share = mixed_share(self.counts, spec)
+        return share is not None and all(self.cache.contains(self.manifest.cache_key(int(s))) for s in share)
 
     def _num_nodes(self) -> int:
         """Nodes the data-parallel ranks spread over (``dist.plan_nodes``); 1 (a global plan) when

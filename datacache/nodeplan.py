@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -150,33 +150,41 @@ def sliding_window(ram_bytes: int, consumers: int, shard_bytes: int) -> int:
 
 
 def mix_fields(node_shuffle: str, shuffle_chunk: int | None, cache: NodeCache, consumers: int, *, epoch: int,
-               datasets: frozenset[str], ident: tuple) -> dict[str, int]:
+               datasets: frozenset[str], ident: tuple,
+               share_cached: Callable[[int], bool] | None = None) -> dict[str, int]:
     """The ``PlanSpec`` fields of the node mix (``datacache._nodemix``) in ``epoch`` for a dataset
     on ``cache`` read by the node's ``consumers``: ``"auto"`` mixes from epoch 1 on when the
     node's share is at most ``MIX_SHARE`` of the cache's budget and no other dataset is in use on
-    the node (``auto_budget``); ``"always"`` every epoch; ``"never"`` none. The chunk: the given
-    ``shuffle_chunk`` bytes, else the RAM tier's budget over 8 x ``consumers``, within 1 to 16 MB.
-    ``datasets``: the cache-key datasets of this one (a mix's streams); ``ident``: what else
-    names this dataset's plan on the node (the decision is made once per node and epoch)."""
+    the node (``auto_budget``), and epoch 0 too when the share is in the cache already
+    (``share_cached(mix_bytes)``: a cache warmed with ``datacache warm``, a restarted job);
+    ``"always"`` every epoch; ``"never"`` none. The chunk: the given ``shuffle_chunk`` bytes, else
+    the RAM tier's budget over 8 x ``consumers``, within 1 to 64 MB. ``datasets``: the cache-key
+    datasets of this one (a mix's streams); ``ident``: what else names this dataset's plan on the
+    node (the decision is made once per node and epoch)."""
     if node_shuffle not in NODE_SHUFFLE:
         raise ValueError(f"node_shuffle={node_shuffle!r}: expected one of {', '.join(NODE_SHUFFLE)}")
     ram = cache.budgets().get("ram", 0)
     chunk = shuffle_chunk or min(DEFAULT_CHUNK_BYTES, max(1 << 20, ram // (8 * max(consumers, 1))))
-    if node_shuffle == "never" or (node_shuffle == "auto" and epoch < 1):
+    if node_shuffle == "never" or (node_shuffle == "auto" and epoch < 1 and share_cached is None):
         return {"mix_bytes": 0, "chunk_bytes": chunk}
     if node_shuffle == "always":
         return {"mix_bytes": _ALWAYS, "mix_from": 0, "chunk_bytes": chunk}
+    if epoch < 1:
+        return {"mix_bytes": auto_budget(cache, datasets, ident + (epoch,), require=share_cached), "mix_from": 0,
+                "chunk_bytes": chunk}
     return {"mix_bytes": auto_budget(cache, datasets, ident + (epoch,)), "mix_from": 1, "chunk_bytes": chunk}
 
 
-def auto_budget(cache: NodeCache, datasets: frozenset[str], ident: tuple) -> int:
+def auto_budget(cache: NodeCache, datasets: frozenset[str], ident: tuple,
+                require: Callable[[int], bool] | None = None) -> int:
     """``MIX_SHARE`` of the bytes ``cache`` can hold (every tier's budget) less what other
     datasets' entries hold in it now, or 0 while a dataset other than ``datasets`` is in use on
     the node (a published schedule: ``NodePolicy``): their shards compete for the cache, and a
     mixed epoch whose share is not all local would thrash it. Decided by the first process of the node to ask for
     ``ident`` and read by the others from the control directory, so every process of the node
     plans alike (budgets shrink to the free space each process sees when it opens the cache, and
-    other datasets come and go); a resume on the node reads the same decision."""
+    other datasets come and go); a resume on the node reads the same decision. ``require(budget)``:
+    a further condition (0 unless it holds)."""
     name = "mix-v1-" + hashlib.blake2b(repr(ident).encode(), digest_size=16).hexdigest()
     known = _decided.get((os.getpid(), name))
     if known is not None:
@@ -189,7 +197,8 @@ def auto_budget(cache: NodeCache, datasets: frozenset[str], ident: tuple) -> int
             if set(policy.datasets()) - datasets:
                 return np.zeros(1, dtype=np.int64)
         others = sum(e.size for key, e in cache.entries() if dataset_of(key) not in datasets)
-        return np.array([max(0, int(MIX_SHARE * sum(cache.budgets().values())) - others)], dtype=np.int64)
+        budget = max(0, int(MIX_SHARE * sum(cache.budgets().values())) - others)
+        return np.array([budget if require is None or require(budget) else 0], dtype=np.int64)
 
     got = int(shared_array(cache.control_dir, name, decide,
                            lambda a: a.dtype == np.int64 and a.shape == (1,) and int(a[0]) >= 0)[0])

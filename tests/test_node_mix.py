@@ -231,3 +231,25 @@ def test_the_mixed_share_is_what_the_consumers_read() -> None:
         assert set(mixed_share(counts, replace(spec, dp_rank=node_rank)).tolist()) == read
     assert mixed_share(counts, replace(spec, mix_bytes=0)) is None
     assert mixed_share(counts, replace(spec, epoch=0)) is None
+
+
+@pytest.mark.timeout(180)
+def test_epoch_zero_mixes_when_the_share_is_cached_already(sorted_url: str, cache: NodeCache) -> None:
+    """"auto" in epoch 0: the window on an empty cache; a node mix once the share is cached (here
+    by another seed's epoch, as ``datacache warm`` would), decided once: the same dataset and seed
+    read again keep the decision their first epoch 0 took."""
+    def epoch0(seed: int) -> list[int]:
+        ds = StreamingDataset(sorted_url, cache=cache, seed=seed)
+        ds.set_epoch(0)
+        ids = _ids(ds)
+        ds.close()
+        return ids
+
+    def q(ids: list[int]) -> float:
+        return quality([np.array(ids[i:i + 32]) for i in range(0, N, 32)], N)
+
+    cold = epoch0(1)  # an empty cache: through the window, and it fills the cache
+    assert q(cold) < 0.6 and sorted(cold) == list(range(N))
+    warm = epoch0(2)  # another seed's epoch 0, every shard cached: mixed
+    assert q(warm) >= 0.9 and sorted(warm) == list(range(N))
+    assert epoch0(1) == cold  # seed 1's epoch 0 was decided (windowed): read again, the same order
