@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
@@ -189,27 +190,24 @@ class StreamingDataset(tud.IterableDataset):
             self.source.check_layout(self.dp_size, self.batch_size)
         shuffle = self.shuffle and not self._composed  # a composed order stays as it is
         consumers = len(self._node_dp_ranks()) * num_workers
-        epoch = self.epoch if epoch is None else epoch
-        mix = mix_fields(self.node_shuffle, self.shuffle_chunk, self.cache, consumers, epoch=epoch,
-                         datasets=self._key_datasets, share_cached=None if self._mix is not None else
-                         lambda budget: self._share_cached(epoch, budget),
-                         ident=(self.manifest.dataset_id, self.seed, self.dp_size, self.num_nodes,
-                                self.dp_rank * self.num_nodes // self.dp_size)) if mixes and shuffle else {}
-        return PlanSpec(seed=self.seed, epoch=epoch, shuffle=shuffle,
+        spec = PlanSpec(seed=self.seed, epoch=self.epoch if epoch is None else epoch, shuffle=shuffle,
                         window=self.window or sliding_window(self.cache.config.ram_bytes, consumers,
                                                              int(self.shard_bytes.max(initial=1))),
                         drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,
                         num_workers=num_workers, worker_id=worker_id, batch_size=self.batch_size or 1,
                         num_nodes=self.num_nodes, placement=self.placement, composed=self._composed,
-                        shard_bytes=self.shard_bytes, **mix)
+                        shard_bytes=self.shard_bytes)
+        if not (mixes and shuffle):
+            return spec
 
-    def _share_cached(self, epoch: int, budget: int) -> bool:
-        """Whether every shard of this node's share, mixed with ``budget``, is in the cache now."""
-        spec = PlanSpec(seed=self.seed, epoch=epoch, dp_size=self.dp_size, dp_rank=self.dp_rank,
-                        batch_size=self.batch_size or 1, drop_last=self.drop_last, num_nodes=self.num_nodes,
-                        placement=self.placement, shard_bytes=self.shard_bytes, mix_bytes=budget, mix_from=0)
-        share = mixed_share(self.counts, spec)
-        return share is not None and all(self.cache.contains(self.manifest.cache_key(int(s))) for s in share)
+        def share_cached(budget: int) -> bool:  # every shard of the node's share, mixed so, cached now
+            share = mixed_share(self.counts, replace(spec, mix_bytes=budget, mix_from=0))
+            return share is not None and all(self.cache.contains(self.manifest.cache_key(int(s))) for s in share)
+
+        return replace(spec, **mix_fields(
+            self.node_shuffle, self.shuffle_chunk, self.cache, consumers, epoch=spec.epoch,
+            datasets=self._key_datasets, share_cached=None if self._mix is not None else share_cached,
+            ident=(self.manifest.dataset_id, self.seed, self.dp_size, self.num_nodes, spec.node)))
 
     def _num_nodes(self) -> int:
         """Nodes the data-parallel ranks spread over (``dist.plan_nodes``); 1 (a global plan) when
@@ -342,20 +340,19 @@ class StreamingDataset(tud.IterableDataset):
         if info is not None:  # the plan worker it plays, or (before __iter__) will play
             worker_id, num_workers = (self._worker if self._consumer is not None else
                                       (self._plan_worker(info), info.num_workers))
-        if self._resume is not None:  # loaded but not iterated yet: still at the loaded position
-            if info is None:
-                return self._resume.to_dict()
+        if self._resume is not None and info is None:  # loaded but not iterated yet: at the loaded position
+            return self._resume.to_dict()
+        spec = self._spec(num_workers, worker_id)
+        if self._resume is not None:
             return self._resume.pending(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
                                         worker_id=worker_id, batch_size=self.batch_size or 1,
-                                        num_nodes=self.num_nodes,
-                                        mix=plan_mix(self._spec(num_workers, worker_id))).to_dict()
+                                        num_nodes=self.num_nodes, mix=plan_mix(spec)).to_dict()
         base = self._resume_base
         if base is None or base.epoch != self.epoch:
             base = start_state(epoch=self.epoch, seed=self.seed, dataset_id=self.manifest.dataset_id,
                                dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
-                               batch_size=self.batch_size or 1, num_nodes=self.num_nodes,
-                               mix=plan_mix(self._spec(num_workers, worker_id)))
-        mix = plan_mix(resume_spec(self._spec(num_workers, worker_id), base))  # what this epoch's plan used
+                               batch_size=self.batch_size or 1, num_nodes=self.num_nodes, mix=plan_mix(spec))
+        mix = plan_mix(resume_spec(spec, base))  # what this epoch's plan used
         consumed = 0
         if self._consumer is not None and self._consumer.epoch == self.epoch:
             delivered = getattr(self, "_delivered", None)
@@ -379,14 +376,14 @@ class StreamingDataset(tud.IterableDataset):
         resume = self._pending()
         layout = dict(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
                       batch_size=self.batch_size or 1, num_nodes=self.num_nodes)
+        spec0 = self._spec(num_workers, 0)
         start = resume or start_state(epoch=self.epoch, seed=self.seed, dataset_id=self.manifest.dataset_id,
-                                      mix=plan_mix(self._spec(num_workers, 0)), **layout)
+                                      mix=plan_mix(spec0), **layout)
 
         def workers() -> list[WorkerBatches]:
             return [self._batches(*self._worker_plan(num_workers, w, resume, start.epoch)) for w in range(num_workers)]
 
-        base = start.advanced(worker_id=0, consumed=0, mix=plan_mix(resume_spec(self._spec(num_workers, 0), resume)),
-                              **layout)
+        base = start.advanced(worker_id=0, consumed=0, mix=plan_mix(resume_spec(spec0, resume)), **layout)
         return Rounds(base=base, make_workers=workers)
 
     def head_start(self, num_workers: int) -> HeadStart | None:

@@ -6,8 +6,8 @@ every shard for every consumer of the node (this epoch and the next), ``warm_ord
 which the node first needs its shards, and ``cap_lookahead`` bounds what the consumers may pin
 ahead. ``node_dp_ranks`` maps the global ranks of a node to its data-parallel ranks;
 ``mix_fields`` decides, alike in every process of the node, whether its epochs are node mixes;
-``key_datasets`` names the cache-key datasets of a dataset.
-Pure functions of the plan (``node_budget`` is read once per node); thread-safe.
+``key_datasets`` names the cache-key datasets of a dataset. Pure functions of the plan, except
+the mix decision, which is made once per node and epoch (``auto_budget``); thread-safe.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from .manifest import Manifest
 from .nodepolicy import NodePolicy, dataset_of
 from .plan import DEFAULT_WINDOW, EpochOrders, PlanSpec, build_plan, mixed_share
 
-__all__ = ["node_schedule", "warm_order", "cap_lookahead", "node_dp_ranks", "mix_fields", "auto_budget", "key_datasets", "sliding_window",
-           "NODE_SHUFFLE"]
+__all__ = ["node_schedule", "warm_order", "cap_lookahead", "node_dp_ranks", "mix_fields", "auto_budget",
+           "key_datasets", "sliding_window", "NODE_SHUFFLE"]
 
 
 def node_dp_ranks(ranks: Iterable[int], replication: int = 1) -> list[int]:
@@ -180,9 +180,9 @@ def auto_budget(cache: NodeCache, datasets: frozenset[str], ident: tuple,
     """``MIX_SHARE`` of the bytes ``cache`` can hold (every tier's budget) less what other
     datasets' entries hold in it now, or 0 while a dataset other than ``datasets`` is in use on
     the node (a published schedule: ``NodePolicy``): their shards compete for the cache, and a
-    mixed epoch whose share is not all local would thrash it. Decided by the first process of the node to ask for
-    ``ident`` and read by the others from the control directory, so every process of the node
-    plans alike (budgets shrink to the free space each process sees when it opens the cache, and
+    mixed epoch whose share is not all local would thrash it. Decided by the first process of the
+    node to ask for ``ident`` and read by the others from the control directory, so every process
+    of the node plans alike (budgets shrink to the free space each process sees when it opens the cache, and
     other datasets come and go); a resume on the node reads the same decision. ``require(budget)``:
     a further condition (0 unless it holds)."""
     name = "mix-v1-" + hashlib.blake2b(repr(ident).encode(), digest_size=16).hexdigest()

@@ -2,9 +2,9 @@
 
 A plan depends only on (shard sample counts, seed, epoch, shuffle, window, the node mix's fields,
 drop_last, data-parallel size and rank, number of workers, worker id, batch size, and with several
-nodes the node count and shard sizes), so every process can compute every other process's plan: that is how a consumer
-knows its future reads exactly, and how the node's cache learns the next use of every shard for
-clairvoyant eviction. Steps:
+nodes the node count and shard sizes), so every process can compute every other process's plan:
+that is how a consumer knows its future reads exactly, and how the node's cache learns the next
+use of every shard for clairvoyant eviction. Steps:
 
 1. Global order: the shards in a seeded permutation (per seed and epoch), each shard's samples
    contiguous. Every rank computes the same order.
