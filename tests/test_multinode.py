@@ -173,6 +173,9 @@ def test_elastic_resume_three_to_two_nodes(s3_server: Any, slowlink: Any, tmp_pa
     lost = first.stats(1, 2)["used_ram"]  # what the third node holds
     states = [json.loads((first.out / f"state_rank{r}.json").read_text()) for r in range(3)]
     assert [sum(rank_state(s).consumed) for s in states] == [stop] * 3
+    # a node-mixed epoch: each node's share (D / 3) fits its cache, so epoch 1 is one permutation
+    # per node (datacache._nodemix), and the resume below continues that order on other nodes
+    assert all(rank_state(s).mix[0] > 0 and rank_state(s).mix[1] <= 1 for s in states), "epoch 1 not node-mixed"
     shutil.rmtree(nodes[2])  # the third node is gone, and its cache with it
     state_path = tmp_path / "state.json"
     state_path.write_text(json.dumps(states if workers else states[0]))
