@@ -5,7 +5,8 @@ of named threads, ahead of the consumer, and hands the results back in sequence 
 
 Back-pressure invariant: the bytes of items started but not yet taken by the consumer never exceed
 the current lookahead budget, except that the next item the consumer needs may always start (so a
-single item larger than the budget still flows). Results are therefore bounded in memory and, for
+single item larger than the budget still flows). With ``slow_start``, only the first item starts
+until one item has loaded. Results are therefore bounded in memory and, for
 cache handles, in pinned bytes.
 
 Adaptation (AIMD): when the consumer has to wait for an item, one more thread and one more average
@@ -72,6 +73,7 @@ class Prefetcher(Generic[T, R]):
         self.lookahead = int(self.config.lookahead_bytes)
         self._calm = 0
         self._closed = False
+        self._loaded = not self.config.slow_start  # whether an item has loaded (slow start over)
         self.wait_seconds = 0.0
         self.waits = 0
         mean = sum(map(size_of, self._items)) / max(len(self._items), 1)
@@ -87,7 +89,7 @@ class Prefetcher(Generic[T, R]):
         if ahead < 1:
             raise ValueError(f"ahead must be >= 1 item, not {ahead}")
         config = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=ahead, max_lookahead_bytes=ahead,
-                                adaptive=False)
+                                adaptive=False, slow_start=False)
         return cls(items, load, size_of=lambda _: 1, release=release, config=config, name=name)
 
     # ------------------------------------------------------------------ threads
@@ -103,6 +105,8 @@ class Prefetcher(Generic[T, R]):
             return False
         if self._next_start == self._next_take:
             return True  # the consumer's next item may always start
+        if not self._loaded:
+            return False  # slow start: the first item has the link to itself
         return self._started_bytes + self._size_of(self._items[self._next_start]) <= self.lookahead
 
     def _run(self, slot: int) -> None:
@@ -124,6 +128,9 @@ class Prefetcher(Generic[T, R]):
                 closed = self._closed
                 if not closed:
                     self._results[i] = result
+                if not self._loaded:
+                    self._loaded = True
+                    self._cond.notify_all()  # slow start over: the lookahead may start
                 if i == self._next_take or closed:
                     self._ready.notify()
             if closed:  # released outside the lock: a release may do I/O (a cache unpin)

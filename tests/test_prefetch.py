@@ -126,7 +126,8 @@ def test_close_is_idempotent_releases_results_and_never_hangs() -> None:
         return i
 
     p = Prefetcher(range(50), load, release=released.append,
-                   config=PrefetchConfig(threads=4, lookahead_bytes=8, adaptive=False), name="tclose")
+                   config=PrefetchConfig(threads=4, lookahead_bytes=8, adaptive=False, slow_start=False),
+                   name="tclose")  # items 0-3 load together, so no slow start
     first_four.wait(10)  # items 0-3 are loaded (their results follow at once); 4+ block on the gate
     assert p.take() == 0
     assert blocked.wait(10)  # a thread is inside the load of item 4+
@@ -166,3 +167,29 @@ def test_consumer_slower_than_its_link_waits_only_for_the_first_shard(tmp_path, 
     assert got == list(range(640))
     assert m.total_bytes <= link.bytes_down - base <= 1.05 * m.total_bytes
     ds.close()
+
+
+@pytest.mark.parametrize("slow_start", [True, False])
+def test_slow_start_gives_the_first_item_the_link_to_itself(slow_start: bool) -> None:
+    """With ``slow_start`` no item starts before the first has loaded (a cold epoch's first shard
+    does not share the link with the lookahead); without it the lookahead starts at once. Item 0
+    waits (bounded) for item 1 to start, so the order of the two events tells which happened."""
+    log: list[str] = []
+    lock = threading.Lock()
+    one_started = threading.Event()
+
+    def load(i: int) -> int:
+        if i == 0:
+            one_started.wait(timeout=0.5)  # only ever waits the timeout out when slow start holds
+        with lock:
+            log.append(f"{i}-{'end' if i == 0 else 'start'}")
+        if i == 1:
+            one_started.set()
+        return i
+
+    p = Prefetcher(range(6), load, config=PrefetchConfig(threads=4, lookahead_bytes=8, adaptive=False,
+                                                         slow_start=slow_start))
+    assert list(p) == list(range(6))
+    p.close()
+    first, second = log.index("0-end"), log.index("1-start")
+    assert (first < second) if slow_start else (second < first), log
