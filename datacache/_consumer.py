@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from .eviction import Schedule
 from .plan import ConsumerPlan
 from .prefetch import Prefetcher
 from .shards import ShardSource
+from ._headstart import fetch_ahead
 from ._worker import parent_gone
 
 __all__ = ["Consumer"]
@@ -37,11 +38,17 @@ class Consumer:
     """Iterates one consumer's plan for one epoch (see module docstring)."""
 
     def __init__(self, *, source: ShardSource, plan: ConsumerPlan, epoch: int, skip: int, prefetch: PrefetchConfig,
-                 schedule: Schedule | None, on_error: str, name: str) -> None:
+                 schedule: Schedule | None, on_error: str, name: str,
+                 lead: tuple[Sequence[int], Sequence[int]] = ((), ())) -> None:
         """``source``: the dataset through the node cache; ``plan``: this consumer's reads in
         ``epoch``; ``skip``: plan positions already read (a resume); ``prefetch``: the fetch stage's
         config; ``schedule``: the node's schedule in force (``shards.tell_plan``), advanced as runs
-        are read; ``on_error``: "raise" or "skip" (unreadable shards); ``name``: thread name prefix."""
+        are read; ``on_error``: "raise" or "skip" (unreadable shards); ``name``: thread name prefix;
+        ``lead``: (before, after): the first shards of the rank's other DataLoader workers, those
+        before this one and those after it (``plan.first_shards``): this consumer gets ``before``
+        into the cache ahead of its own first shard, and ``after`` ahead of its lookahead, one at
+        a time (``_headstart.fetch_ahead``), so the workers' first shards arrive one after
+        another, each with the link to itself, in the order the loader needs them."""
         self.source, self.plan = source, plan
         self.manifest = source.manifest
         self.epoch, self.skip = epoch, skip
@@ -54,6 +61,10 @@ class Consumer:
             else list(range(n_runs))
         self.run_times = plan.run_times(epoch)  # set before the stages start: their threads read it
         self.skipped_shards = 0  # set before the stages start: the decode thread counts into it
+        self._lead, self._name = lead, name
+        self._lead_claimed = False  # a prefetch thread is getting ``lead[1]`` (under _lead_lock)
+        self._lead_lock = threading.Lock()
+        self._led = threading.Event()  # ``lead[1]`` is in the cache (or given up): the lookahead may go
         self._skipped: set[int] = set()
         # Stage 1: shards into the cache, far ahead (network-bound, adaptive, byte-bounded).
         self.prefetcher: Prefetcher[tuple[int, int], CacheHandle] = Prefetcher(
@@ -68,8 +79,29 @@ class Consumer:
     def _load(self, item: tuple[int, int]) -> CacheHandle:
         """Get (position in the plan, shard) into the cache; earlier positions get the link first."""
         position, shard = item
-        return self.source.fetch(shard, priority=position, use_at=self.run_times[self.needed[position]],
-                                 cancelled=self._cancelled)
+        use_at = self.run_times[self.needed[position]]
+        self._fetch_lead(self._lead[0] if position == 0 else self._lead[1], use_at, own=position == 0)
+        return self.source.fetch(shard, priority=position, use_at=use_at, cancelled=self._cancelled)
+
+    def _fetch_lead(self, shards: Sequence[int], use_at: float, own: bool) -> None:
+        """The ``lead`` shards before this consumer's first (``own``: the caller loads it), or,
+        for any later item, those after it: one thread gets them while the others wait."""
+        if not shards:
+            return
+        if not own:
+            with self._lead_lock:
+                claimed, self._lead_claimed = self._lead_claimed, True
+            if claimed:
+                self._led.wait()  # set in the finally below, whatever happens
+                return
+        try:
+            for shard in shards:
+                if self._cancelled() or not fetch_ahead(self.source, shard, priority=0, use_at=use_at,
+                                                        cancelled=self._cancelled, who=self._name):
+                    return
+        finally:
+            if not own:
+                self._led.set()
 
     def _decode(self, run: int) -> "_Run":
         """Runs on the decode thread: pin the run's shard (waiting on stage 1) and read its range."""

@@ -17,20 +17,51 @@ epoch's plan (``shards.tell_plan``), and an eviction decided now could throw out
 epoch still needs (with a cache smaller than the data, epochs after the first get no head start).
 A shard the cache does not admit (served privately, "pass") ends it too: the worker would
 download it again. ``close()`` abandons a download in flight at once (``cancelled``) and is idempotent.
+The workers themselves get one another's first shards in the same order (``fetch_ahead``, the
+``Consumer``'s lead): with or without a head start, those arrive one after another.
 Thread-safe: the thread is the object's only user besides ``close()``.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["HeadStart", "RUNS_PER_WORKER"]
+__all__ = ["HeadStart", "RUNS_PER_WORKER", "fetch_ahead"]
 
 log = logging.getLogger("datacache.dataset")
 
 RUNS_PER_WORKER = 2  # the first two runs: a worker's first step needs its first run, the next its second
+
+
+def fetch_ahead(source: Any, shard: int, *, priority: float, use_at: float, cancelled: Callable[[], bool],
+                who: str) -> bool:
+    """Get ``shard`` into the node cache through ``source`` (a ``ShardSource``) for a consumer that
+    will ask for it soon, and release it; a cached shard costs a lookup. ``priority``, ``use_at``,
+    ``cancelled``: as for ``ShardSource.fetch``; ``who``: names the caller in debug logs. Whether
+    fetching ahead may go on: False once no tier has free room for the shard (the consumers have
+    not yet told the cache this epoch's plan, and an eviction decided now could throw out a shard
+    the epoch still needs), when the cache did not admit it (served privately, "pass": its consumer
+    would download it again), or when the fetch failed (its consumer's own fetch raises the error
+    where the training loop sees it). Thread-safe."""
+    cache = source.cache
+    if cache.contains(source.key(shard)):
+        return True
+    if max(cache.room().values()) < source.manifest.shards[shard].bytes:
+        log.debug("%s: no free room for shard %d; stopping", who, shard)
+        return False
+    try:
+        handle = source.fetch(shard, priority=priority, use_at=use_at, cancelled=cancelled)
+    except Exception as exc:  # noqa: BLE001 - the consumer's own fetch raises it to the training loop
+        log.debug("%s: shard %d not fetched (%s); its consumer will", who, shard, exc)
+        return False
+    tier = handle.tier
+    handle.release()
+    if tier == "pass":
+        log.debug("%s: shard %d not admitted to the cache; stopping", who, shard)
+        return False
+    return True
 
 
 class HeadStart:
@@ -45,24 +76,9 @@ class HeadStart:
         self._thread.start()
 
     def _run(self) -> None:
-        cache = self._source.cache
         for position, (shard, use_at) in enumerate(self._shards):
-            if self._stop.is_set():
-                return
-            if cache.contains(self._source.key(shard)):
-                continue  # cached: nothing to gain
-            if max(cache.room().values()) < self._source.manifest.shards[shard].bytes:
-                log.debug("head start: no free room for shard %d; stopping", shard)
-                return
-            try:
-                handle = self._source.fetch(shard, priority=position, use_at=use_at, cancelled=self._stop.is_set)
-            except Exception as exc:  # noqa: BLE001 - the worker's own fetch raises it to the training loop
-                log.debug("head start: shard %d not fetched (%s); the DataLoader worker will", shard, exc)
-                return
-            tier = handle.tier
-            handle.release()
-            if tier == "pass":  # not admitted: the worker would download it again, so stop here
-                log.debug("head start: shard %d not admitted to the cache; stopping", shard)
+            if self._stop.is_set() or not fetch_ahead(self._source, shard, priority=position, use_at=use_at,
+                                                      cancelled=self._stop.is_set, who="head start"):
                 return
 
     @property

@@ -38,7 +38,7 @@ from .dist import DistInfo, detect, plan_nodes
 from .manifest import Manifest
 from .nodeplan import (NODE_SHUFFLE, cap_lookahead, key_datasets, mix_fields, node_dp_ranks, node_schedule,
                        sliding_window, worth_sharing)
-from .plan import ConsumerPlan, PlanSpec, build_plan, mixed_share
+from .plan import ConsumerPlan, PlanSpec, build_plan, first_shards, mixed_share
 from .resume import ResumeState, common_state, plan_mix, rank_state, resume_plan, resume_spec, start_state
 from ._rounds import Rounds, WorkerBatches
 from ._headstart import RUNS_PER_WORKER, HeadStart
@@ -265,12 +265,23 @@ class StreamingDataset(tud.IterableDataset):
             self._consumer.close()
         prefetch = cap_lookahead(self.prefetch, self.cache, self.manifest, len(self._node_dp_ranks()) * num_workers)
         consumer = Consumer(source=self.source, plan=plan, epoch=self.epoch, skip=skip, prefetch=prefetch,
-                            schedule=schedule, on_error=self.on_error,
+                            schedule=schedule, on_error=self.on_error, lead=self._lead(spec, order, skip),
                             name=f"datacache-prefetch-r{self.dp_rank}w{worker_id}")
         self._consumer = consumer
         self._resume_base = self._resume
         self._resume = None
         yield from self._emit(consumer)
+
+    def _lead(self, spec: PlanSpec, order: Any, skip: int) -> tuple[list[int], list[int]]:
+        """The other DataLoader workers' first shards, (before this one, after it), that this
+        worker fetches ahead of its own first and of its lookahead (``Consumer``'s ``lead``): at
+        an epoch's start, with ``PrefetchConfig.slow_start``; else none."""
+        if skip or spec.num_workers < 2 or not self.prefetch.slow_start:
+            return [], []
+        firsts = first_shards(self.counts, spec, order)
+        w = spec.worker_id
+        return ([s for s in firsts[:w] if s is not None and s != firsts[w]],
+                [s for s in firsts[w + 1:] if s is not None and s != firsts[w]])
 
     def _emit(self, consumer: Consumer) -> Iterator[Any]:
         transform = self.transform

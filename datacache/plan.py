@@ -58,7 +58,7 @@ from ._nodeorder import digest, memo, node_part, node_pieces
 from ._pieces import Pieces
 
 __all__ = ["PlanSpec", "EpochOrders", "ConsumerPlan", "global_order", "split_even", "build_plan", "remainder_order",
-           "mixed_share", "DEFAULT_WINDOW"]
+           "mixed_share", "first_shards", "DEFAULT_WINDOW"]
 
 DEFAULT_WINDOW = 4
 
@@ -353,6 +353,25 @@ def mixed_share(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = N
     segment, first, ranks, _ = _rank_segment(counts, spec, order)
     block = _mix_block(counts, spec, segment, first, len(segment) // ranks)
     return None if block is None else np.unique(block.shard[block.hi > block.lo])
+
+
+def first_shards(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = None) -> list[int | None]:
+    """The shard of the first run of each of ``spec``'s rank's ``num_workers`` consumers, in
+    worker order (None for one with nothing to read): what each one's first step needs, as
+    ``build_plan`` with the same ``order`` plans it. Empty for a node-mixed epoch (its consumers
+    read from every shard of the share at once). O(the rank's pieces)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    segment, first, ranks, _ = _rank_segment(counts, spec, order)
+    per = len(segment) // ranks
+    if _mix_block(counts, spec, segment, first, per) is not None:
+        return []
+    rank = segment.cut((spec.dp_rank - first) * per, (spec.dp_rank - first + 1) * per)
+    bounds = _worker_bounds(len(rank), spec.num_workers, spec.batch_size)
+    out: list[int | None] = []
+    for w in range(spec.num_workers):
+        _, runs = rank.cut(bounds[w], min(bounds[w] + 1, bounds[w + 1])).runs()
+        out.append(runs[0][0] if runs else None)
+    return out
 
 
 def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int, per: int, padded: int,

@@ -89,3 +89,26 @@ def test_a_full_cache_gets_no_head_start(s3_server: Any, make_s3_url: Any, tmp_p
     assert ds.cache.stats()["fetches"] == before
     assert any(not ds.cache.contains(ds.source.key(s)) for s in head.shards), "all were cached: nothing tested"
     ds.close()
+
+
+def test_the_workers_first_shards_cross_the_link_one_after_another(
+        s3_server: Any, make_s3_url: Any, slowlink: Any, tmp_path: Path) -> None:
+    """``PrefetchConfig.slow_start`` with the workers' lead (``Consumer``'s ``lead``): worker 1
+    starts its first shard only once worker 0's is in, and neither starts its lookahead before, so
+    when the first sample (worker 0's) arrives about one shard has crossed the link, where without
+    the lead two shards would have shared it (and four without slow start). A plain torch
+    DataLoader: no head start. Counted at the proxy; a shard takes 2 s on this link, so only a first
+    sample delivered 1.5 s after its shard landed could blur the count."""
+    n, size, per_shard = 160, 4000, 40  # 4 shards of 160 KB, 2 per worker
+    url = make_s3_url()
+    m = H.write(url, s3_server.storage_options(), n, size, shard_bytes=per_shard * size)
+    link = slowlink(bandwidth=80_000)
+    ds = _dataset(url, s3_server.storage_options(link.endpoint_url), tmp_path)
+    shard = max(s.bytes for s in m.shards)
+    link.reset_counters()
+    it = iter(tud.DataLoader(ds, batch_size=None, num_workers=2))
+    next(it)
+    down = link.snapshot()["bytes_down"]
+    assert shard <= down < 1.75 * shard, f"{down / shard:.2f} shards crossed the link before the first sample"
+    del it
+    ds.close()

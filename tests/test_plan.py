@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from datacache.plan import PlanSpec, build_plan, global_order, remainder_order, split_even
+from datacache.plan import PlanSpec, build_plan, first_shards, global_order, mixed_share, remainder_order, split_even
 from tests.helpers.plans import all_plans, check_exactly_once_and_equal_ranks
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -171,3 +171,21 @@ def test_global_order_is_shard_contiguous() -> None:
 def test_spec_validation(bad: dict) -> None:
     with pytest.raises(ValueError):
         PlanSpec(**bad)
+
+
+@pytest.mark.parametrize("num_workers,batch_size,num_nodes", [(1, 1, 1), (2, 32, 1), (3, 1, 1), (8, 4, 1), (4, 8, 2)])
+def test_first_shards_are_each_workers_first_run(num_workers: int, batch_size: int, num_nodes: int) -> None:
+    """``first_shards`` (the workers' lead at an epoch's start) is what each worker's own plan
+    reads first; a worker with nothing to read has None; a node-mixed epoch has none at all."""
+    counts = np.array([244] * 31 + [64])
+    for rank in range(4):
+        spec = PlanSpec(seed=3, epoch=1, num_workers=num_workers, batch_size=batch_size, dp_size=4, dp_rank=rank,
+                        num_nodes=num_nodes)
+        firsts = first_shards(counts, spec)
+        plans = [build_plan(counts, replace(spec, worker_id=w)) for w in range(num_workers)]
+        assert firsts == [p.runs[0][0] if p.runs else None for p in plans]
+    tiny = PlanSpec(num_workers=8, dp_size=1, dp_rank=0)
+    assert first_shards(np.array([3]), tiny).count(None) == 5  # 3 samples, 8 workers
+    mixed = PlanSpec(epoch=1, num_workers=2, dp_size=1, dp_rank=0, mix_bytes=10**9, mix_from=0,
+                     shard_bytes=counts * 1000)
+    assert mixed_share(counts, mixed) is not None and first_shards(counts, mixed) == []
