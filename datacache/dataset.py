@@ -39,20 +39,20 @@ from .manifest import Manifest
 from .nodeplan import (NODE_SHUFFLE, cap_lookahead, key_datasets, mix_fields, node_dp_ranks, node_schedule,
                        sliding_window, worth_sharing)
 from .plan import ConsumerPlan, PlanSpec, build_plan, first_shards, mixed_share
-from .resume import ResumeState, common_state, plan_mix, rank_state, resume_plan, resume_spec, start_state
-from ._rounds import Rounds, WorkerBatches
-from ._headstart import RUNS_PER_WORKER, HeadStart
+from .resume import ResumeState, resume_plan, resume_spec
+from ._rounds import WorkerBatches
 from ._mixsource import MixedSource, open_source
 from .shards import tell_plan
 from .streams import Stream
 from .storage import Store
 from ._worker import die_with_parent
 from ._dsutil import loader_batch, shared_int
+from ._dsresume import ResumeMixin
 
 __all__ = ["StreamingDataset"]
 
 
-class StreamingDataset(tud.IterableDataset):
+class StreamingDataset(ResumeMixin, tud.IterableDataset):
     """Stream a datacache dataset through the node cache (see the module docstring).
 
     Arguments (all but ``url`` keyword-only):
@@ -333,125 +333,6 @@ class StreamingDataset(tud.IterableDataset):
         if mark:
             self._retries_flushed = (os.getpid(), total)
         return total - (done if pid == os.getpid() else 0)
-
-    # ------------------------------------------------------------------ resume
-    def state_dict(self) -> dict[str, Any]:
-        """Where this consumer is: epoch and samples delivered per worker (``ResumeState.to_dict``).
-
-        Called in the main process (``num_workers=0``) or, by ``StatefulDataLoader``, in each worker
-        (a worker's state holds only its own count; the loader's state holds them all). In the main
-        process while DataLoader workers iterate, the position is in the workers: ``RuntimeError``.
-        """
-        info = tud.get_worker_info()  # in a DataLoader worker, valid even before __iter__ ran
-        if info is None and int(self._in_workers):
-            raise RuntimeError("StreamingDataset.state_dict() in the main process while DataLoader workers read it: "
-                               "the position is in the workers; checkpoint torchdata's StatefulDataLoader.state_dict() "
-                               "instead (StreamingDataset.load_state_dict accepts it)")
-        worker_id, num_workers = self._worker
-        if info is not None:  # the plan worker it plays, or (before __iter__) will play
-            worker_id, num_workers = (self._worker if self._consumer is not None else
-                                      (self._plan_worker(info), info.num_workers))
-        if self._resume is not None and info is None:  # loaded but not iterated yet: at the loaded position
-            return self._resume.to_dict()
-        spec = self._spec(num_workers, worker_id)
-        if self._resume is not None:
-            return self._resume.pending(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
-                                        worker_id=worker_id, batch_size=self.batch_size or 1,
-                                        num_nodes=self.num_nodes, mix=plan_mix(spec)).to_dict()
-        base = self._resume_base
-        if base is None or base.epoch != self.epoch:
-            base = start_state(epoch=self.epoch, seed=self.seed, dataset_id=self.manifest.dataset_id,
-                               dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
-                               batch_size=self.batch_size or 1, num_nodes=self.num_nodes, mix=plan_mix(spec))
-        mix = plan_mix(resume_spec(spec, base))  # what this epoch's plan used
-        consumed = 0
-        if self._consumer is not None and self._consumer.epoch == self.epoch:
-            delivered = getattr(self, "_delivered", None)
-            consumed = self._consumer.consumed if delivered is None else delivered
-        return base.advanced(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
-                             worker_id=worker_id, consumed=consumed, batch_size=self.batch_size or 1,
-                             num_nodes=self.num_nodes, mix=mix).to_dict()
-
-    def _plan_worker(self, info: Any) -> int:
-        """The plan worker DataLoader worker ``info.id`` plays (``ResumeState.plan_worker``)."""
-        st = self._resume
-        if st is None or not st.same_layout(self.dp_size, info.num_workers, self.batch_size or 1, self.num_nodes):
-            return int(info.id)
-        return st.plan_worker(info.id, info.num_workers)
-
-    def worker_rounds(self, num_workers: int) -> Rounds:
-        """Where a ``DataLoader`` with ``num_workers`` workers starting an iteration now begins
-        (the loaded state, if any, else the epoch's start), and each worker's batches (built on
-        first use): ``datacache._rounds``, for ``datacache.DataLoader``'s state. Call it before
-        the loader starts its workers, then ``resume_started()`` once they have."""
-        resume = self._pending()
-        layout = dict(dp_size=self.dp_size, dp_rank=self.dp_rank, num_workers=num_workers,
-                      batch_size=self.batch_size or 1, num_nodes=self.num_nodes)
-        spec0 = self._spec(num_workers, 0)
-        start = resume or start_state(epoch=self.epoch, seed=self.seed, dataset_id=self.manifest.dataset_id,
-                                      mix=plan_mix(spec0), **layout)
-
-        def workers() -> list[WorkerBatches]:
-            return [self._batches(*self._worker_plan(num_workers, w, resume, start.epoch)) for w in range(num_workers)]
-
-        base = start.advanced(worker_id=0, consumed=0, mix=plan_mix(resume_spec(spec0, resume)), **layout)
-        return Rounds(base=base, make_workers=workers)
-
-    def head_start(self, num_workers: int) -> HeadStart | None:
-        """Fetch, from this (the training) process, the first shards of ``num_workers`` DataLoader
-        workers that have just begun the epoch (``datacache._headstart``); ``None`` when a resume
-        is pending (the workers start mid-plan), the epoch is a node mix, or there is nothing to read."""
-        if self._pending() is not None:
-            return None
-        if self._mix is None and mixed_share(self.counts, self._spec(num_workers, 0)) is not None:
-            return None  # a node mix reads from every shard of the share at once: no first shards to get
-        runs = []
-        for w in range(num_workers):
-            plan, _ = self._worker_plan(num_workers, w, None, self.epoch, shards_only=True)
-            times = plan.run_times(self.epoch)
-            runs += [(k, w, plan.runs[k][0], times[k]) for k in range(min(RUNS_PER_WORKER, len(plan.runs)))]
-        if not runs:
-            return None
-        return HeadStart(self.source, [(shard, t) for _, _, shard, t in sorted(runs)],
-                         name=f"datacache-headstart-r{self.dp_rank}")
-
-    def _pending(self) -> ResumeState | None:
-        """The loaded state not yet iterated, if it is of the current epoch."""
-        st = self._resume
-        return st if st is not None and st.epoch == self.epoch else None
-
-    def _worker_plan(self, num_workers: int, w: int, resume: ResumeState | None, epoch: int,
-                     shards_only: bool = False) -> tuple[ConsumerPlan, int]:
-        """(plan, plan positions already delivered) of DataLoader worker ``w`` of ``num_workers``
-        in ``epoch``, continuing from ``resume``: what that worker's ``__iter__`` computes."""
-        spec = resume_spec(self._spec(num_workers, w, epoch=epoch), resume)
-        order, skip = resume_plan(self.counts, spec, resume, orders=self._mix)
-        return build_plan(self.counts, spec, order=order, shards_only=shards_only), skip
-
-    def resume_started(self) -> None:
-        """A loader's workers took the loaded state (``worker_rounds``): it is no longer pending."""
-        self._resume_base, self._resume = self._resume, None
-
-    def load_state_dict(self, state: Any) -> None:
-        """Resume from ``state`` at the next ``__iter__`` (possibly with another world size or
-        ``num_workers``). ``state``: what ``state_dict()`` returned, a ``StatefulDataLoader``'s
-        ``state_dict()``, a ``ResumeState``, or a list of several old ranks' states (checked to
-        agree; see ``datacache.resume`` for which state each new rank loads). ``ValueError`` if the
-        state is from another dataset or seed, or lacks counts this resume needs."""
-        st = common_state(state) if isinstance(state, (list, tuple)) else rank_state(state)
-        st.check_dataset(self.manifest.dataset_id, self.seed)
-        info = tud.get_worker_info()
-        if info is not None and self._epoch_explicit and st.epoch != self.epoch:
-            # StatefulDataLoader loads worker states only at worker start, after the training loop's
-            # set_epoch: an epoch selected there that differs from the state's wins, as set_epoch
-            # after load_state_dict does in the main process (e.g. saved at the end of epoch e,
-            # resumed with set_epoch(e + 1)).
-            self._resume = None
-            return
-        if info is not None:  # torchdata gave this worker its own state: refuse one it cannot use
-            st.check_layout(self.dp_size, info.num_workers, self.batch_size or 1, self.num_nodes)
-        self.epoch = st.epoch
-        self._resume = st
 
     # ------------------------------------------------------------------ stats / lifecycle
     def stats(self) -> dict[str, Any]:
