@@ -1,0 +1,90 @@
+"""``NodeCache``'s reporting and housekeeping side: node-wide counters, entries, pins, free room,
+and ``clear``. A part of ``NodeCache`` (``datacache.cache``) in its own module to keep each file
+readable: ``CacheAdminMixin`` holds no state and uses only the attributes ``NodeCache.__init__``
+sets (``index``, ``tiers``, ``lock_dir``). Every method is thread-safe and fork-safe, as
+``NodeCache``'s are.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .index import Entry, Index
+from .tiers import Tier, pinned_files
+from ._reconcile import clear
+
+__all__ = ["CacheAdminMixin"]
+
+
+class CacheAdminMixin:
+    """Counters, entries, pins, room and ``clear`` of a ``NodeCache`` (see the module docstring)."""
+
+    index: Index
+    tiers: dict[str, Tier]
+    lock_dir: str
+
+    def stats(self) -> dict[str, Any]:
+        """Node-wide counters (summed over every process sharing the index) and tier usage."""
+        self.index.flush()
+        with self.index.read() as txn:
+            out: dict[str, Any] = {k: (v if k == "fetch_seconds" else int(v)) for k, v in txn.counters().items()}
+            for name, tier in self.tiers.items():
+                out[f"used_{name}"] = txn.used(name)
+                out[f"budget_{name}"] = tier.budget if tier.enabled else 0
+            out["entries_ram"] = out["entries_ssd"] = 0
+            for _, e in txn.items():
+                for name in e.tiers:
+                    out[f"entries_{name}"] += 1
+        return out
+
+    def entries(self) -> list[tuple[str, Entry]]:
+        """Every indexed entry as (key, entry). A snapshot; no pins are taken."""
+        with self.index.read() as txn:
+            return list(txn.items())
+
+    def entry_files(self, prefix: str = "") -> list[tuple[str, Entry, str, str]]:
+        """(key, entry, tier, file path) of every entry file whose key starts with ``prefix``. A
+        snapshot: a file may be evicted at any time, so pin it (``tiers.try_pin``) before reading."""
+        return [(key, e, tier, self.tiers[tier].file_path(rec["file"]))
+                for key, e in self.entries() if key.startswith(prefix) for tier, rec in e.tiers.items()]
+
+    def pinned(self) -> dict[str, dict[str, int]] | None:
+        """Entries pinned now per tier (``{"ram": {"entries", "bytes"}, "ssd": ...}``: held open by
+        a reader, so not evictable), or None where pins cannot be seen (``tiers.pinned_files``)."""
+        files = self.entry_files()
+        held = pinned_files([path for *_, path in files])
+        if held is None:
+            return None
+        pinned = set(held)
+        out = {name: {"entries": 0, "bytes": 0} for name in self.tiers}
+        for _, e, tier, path in files:
+            if path in pinned:
+                out[tier]["entries"] += 1
+                out[tier]["bytes"] += e.size
+        return out
+
+    def room(self) -> dict[str, int]:
+        """Free bytes each tier has now (its budget less what it holds; 0 for a disabled tier).
+        Thread-safe; one index read."""
+        with self.index.read() as txn:
+            return {name: max(0, b - txn.used(name)) for name, b in self.budgets().items()}
+
+    def budgets(self) -> dict[str, int]:
+        """Bytes each tier may hold now ("ram", "ssd"; 0 for a disabled tier). Thread-safe."""
+        return {name: (t.budget if t.enabled else 0) for name, t in self.tiers.items()}
+
+    def count(self, **deltas: float) -> None:
+        """Add to the node-wide counters of ``stats()`` (e.g. ``wait_seconds``, ``skipped_shards``);
+        written at the next index transaction or ``flush_stats``. Thread-safe, no I/O."""
+        self.index.count(**deltas)
+
+    def flush_stats(self) -> None:
+        """Write this process's pending counter deltas now."""
+        self.index.flush()
+
+    def clear(self, *, tiers: tuple[str, ...] = ("ram", "ssd"), dataset: str | None = None) -> int:
+        """Remove unpinned entries (optionally only one dataset's); returns how many files went."""
+        return clear(self.index, self.tiers, self.lock_dir, tiers, dataset)
+
+    def reset_stats(self) -> None:
+        with self.index.write() as txn:
+            txn.reset_counters()
