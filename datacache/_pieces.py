@@ -81,6 +81,28 @@ class Pieces:
         hi[-1] -= self.ends[j] - b
         return Pieces(shard, lo, hi)
 
+    def largest_run_last(self, among: int) -> "Pieces":
+        """The same pieces with the largest of the last ``among`` runs (consecutive pieces of one
+        shard, as ``runs`` merges them; never the first run, and of equal ones the latest) moved
+        to the end. O(pieces)."""
+        keep = self.hi > self.lo
+        shard, lo, hi = self.shard[keep], self.lo[keep], self.hi[keep]
+        if len(shard) == 0:
+            return self
+        first = np.flatnonzero(np.concatenate([[True], shard[1:] != shard[:-1]]))
+        bounds = np.append(first, len(shard))
+        sizes = np.add.reduceat(hi - lo, first)
+        lowest = max(1, len(first) - int(among))
+        if lowest >= len(first) - 1:
+            return Pieces(shard, lo, hi)
+        tail = sizes[lowest:]
+        pick = lowest + len(tail) - 1 - int(np.argmax(tail[::-1]))  # the latest of the largest
+        if pick == len(first) - 1:
+            return Pieces(shard, lo, hi)
+        a, b = bounds[pick], bounds[pick + 1]
+        order = np.concatenate([np.arange(a), np.arange(b, len(shard)), np.arange(a, b)])
+        return Pieces(shard[order], lo[order], hi[order])
+
     def take(self, mask: np.ndarray) -> "Pieces":
         return Pieces(self.shard[mask], self.lo[mask], self.hi[mask])
 

@@ -35,7 +35,10 @@ use of every shard for clairvoyant eviction. Steps:
    so run ``i`` must be local when step ``i`` begins and can be released after step
    ``i + window - 1``. The consumer starts after its first shard (not after a whole window) and
    holds at most ``window`` shards; a larger window mixes more but keeps more shards open.
-   The default of 4 mixes each batch across about 4 shards.
+   The default of 4 mixes each batch across about 4 shards. Shuffled, the largest of a worker's
+   last ``window`` runs is moved to its end: after a small last run (the dataset's short last
+   shard, a piece of a shard another worker reads) the run before it would arrive just before
+   the end too, and both of their steps would be left to read once the last byte is in.
 5. Node mix (``datacache._nodemix``, replacing steps 3's order and 4): from epoch
    ``mix_from`` on, a node whose part's shards fit in ``mix_bytes`` permutes its whole part
    uniformly before the rank and worker split, and its consumers read in chunks grouped by shard.
@@ -313,6 +316,8 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
     bounds = _worker_bounds(len(rank), spec.num_workers, spec.batch_size)
     mine = rank.cut(bounds[spec.worker_id], bounds[spec.worker_id + 1])
     window = spec.window if spec.shuffle else 1
+    if spec.shuffle:  # a small last run would arrive just after the one before it: see the docstring
+        mine = mine.largest_run_last(window)
     if shards_only:
         starts, runs = mine.runs()
         return ConsumerPlan(runs, np.append(starts, len(mine)), None, None, len(mine), window, padded, starts)

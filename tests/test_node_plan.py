@@ -207,7 +207,15 @@ def _todays_piece(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None) 
     pieces, padded = split_even(order, spec.dp_size, spec.drop_last, spec.batch_size)
     rank, b = pieces[spec.dp_rank], spec.batch_size
     bounds = np.linspace(0, -(-len(rank) // b), spec.num_workers + 1).round().astype(np.int64) * b
-    return rank[bounds[spec.worker_id]:bounds[spec.worker_id + 1]], padded
+    mine = rank[bounds[spec.worker_id]:bounds[spec.worker_id + 1]]
+    if spec.shuffle and len(mine):  # the largest of the last `window` runs (not the first) goes last
+        shard = np.searchsorted(offsets, mine, side="right") - 1
+        runs = np.split(mine, np.flatnonzero(np.diff(shard)) + 1)
+        candidates = range(max(1, len(runs) - spec.window), len(runs))
+        if len(candidates) > 1:
+            pick = max(candidates, key=lambda i: (len(runs[i]), i))
+            mine = np.concatenate(runs[:pick] + runs[pick + 1:] + [runs[pick]])
+    return mine, padded
 
 
 @SETTINGS

@@ -189,3 +189,21 @@ def test_first_shards_are_each_workers_first_run(num_workers: int, batch_size: i
     mixed = PlanSpec(epoch=1, num_workers=2, dp_size=1, dp_rank=0, mix_bytes=10**9, mix_from=0,
                      shard_bytes=counts * 1000)
     assert mixed_share(counts, mixed) is not None and first_shards(counts, mixed) == []
+
+
+@SETTINGS
+@given(st.lists(st.integers(1, 60), min_size=2, max_size=30), st.integers(1, 3), st.integers(1, 6), st.integers(0, 99))
+def test_a_workers_last_run_is_the_largest_of_its_last_window(counts: list[int], workers: int, window: int,
+                                                               seed: int) -> None:
+    """Shuffled, no run among a worker's last ``window`` (its first excepted) is larger than its
+    last one: a small last run would leave the steps of the run before it to the epoch's end too.
+    Unshuffled plans keep their order."""
+    c = np.array(counts)
+    for w in range(workers):
+        spec = PlanSpec(seed=seed, num_workers=workers, worker_id=w, window=window, dp_size=1, dp_rank=0)
+        runs = build_plan(c, spec).runs
+        sizes = [hi - lo for _, lo, hi in runs]
+        if len(runs) > 2:
+            assert sizes[-1] == max(sizes[max(1, len(runs) - window):]), sizes
+        plain = build_plan(c, replace(spec, shuffle=False)).runs
+        assert [r[0] for r in plain] == sorted(r[0] for r in plain)

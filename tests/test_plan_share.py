@@ -26,18 +26,20 @@ from tests.helpers.plans import SETTINGS, counts_st, node_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# build_plan of every consumer, on the code before node-local planning (see _fingerprints)
+# build_plan of every consumer (see _fingerprints): the plans of the code before node-local planning,
+# with the one change made since, the largest of a worker's last runs moved to its end (plan.py's step 4;
+# tests/test_node_plan.py's sample-level oracle follows it)
 TODAYS = [
-    '85b3a497b0a611d3', '810000dc932ff960', '55879e880efa0782', '2802d1a0ad8b791c', '70df24f99684fbee',
-    '5b4184eb461f7a4f', '47a8c5464785456b', 'f771755edcf8620b', '8e0a4d3aad0336ea', '4e1172d579e16931',
-    '0b06618227b7f45f', '5f3b9ec99deb6d87', '9092e7c24583ba90', '576d6d21266371d7', '9c3493ce792f9442',
-    '48c021fadabd7300', '8aceb5c880a8bd6a', 'de927ad978084a02', '1d159a1f2f021c56', '2f02189bfd969dfc',
-    'a25da77932481af8', '817fee1c1530fb79', '44085b534beb260f', '0e7c8e9284fd94a8', '1ba7e6d58de26c53',
-    '2f039d97afb96565', '7dfb58bf3b8acf60', '22b93512f080b9cc', 'bc582c6da30e77a9', 'ea54ef25b2dd3899',
-    '8a19f0be003a19a9', 'b2c6b59ee4e7e950', '7661fac518f9666a', 'd6577222db8e765a', 'af0b92c7b8ad5e73',
-    'e33ae119b4d1f631', 'b794b5c5d0c40f9e', 'e37dca2e8d934b2b', '6d3fec2bcdfce1ca', '08dbc02aabe17c08',
-    '0ff617d36c9a84fc', 'c77c1d1fbebcbfe8', '275ec57249acd883', 'bf2fd5bf46889b86', 'dfcf9834585e5828',
-    '5b279283a30735aa', '6ef1ac9d635a792c', 'ca266b405be21e7d',
+    '16f6aa0e662f11ba', '810000dc932ff960', 'a201fc4c10d3307d', '2802d1a0ad8b791c', 'a8102bcba0543fa6',
+    '5b4184eb461f7a4f', 'd335cd028b9a8826', 'f771755edcf8620b', '88733e52b2017975', '4e1172d579e16931',
+    '2b64c6ddc16aec38', '5f3b9ec99deb6d87', '95c3a620d298bc7a', '576d6d21266371d7', 'fb0eb9957fdea53d',
+    '48c021fadabd7300', '5a1e6d195cf43850', 'de927ad978084a02', '9738cab8150bdfe3', '2f02189bfd969dfc',
+    '1a5e3bf9f875d490', '817fee1c1530fb79', '19e0e136a7e76147', '0e7c8e9284fd94a8', '63bd88a1a4cfeffe',
+    '2f039d97afb96565', '7dfb58bf3b8acf60', '22b93512f080b9cc', '1247696e3f58b1fb', 'ea54ef25b2dd3899',
+    '8003be5d29e4005a', 'b2c6b59ee4e7e950', '7661fac518f9666a', 'd6577222db8e765a', '2dff1af77caba9e7',
+    'e33ae119b4d1f631', 'cb73990b3a0615ae', 'e37dca2e8d934b2b', '6d3fec2bcdfce1ca', '08dbc02aabe17c08',
+    'ebd13f6f2ba68704', 'c77c1d1fbebcbfe8', 'c0c7f842f6d9e65a', 'bf2fd5bf46889b86', 'd2c790b7db3c903b',
+    '5b279283a30735aa', 'c2e2baa5a53f09aa', 'ca266b405be21e7d',
 ]
 
 
