@@ -62,9 +62,9 @@ class Consumer:
         self.run_times = plan.run_times(epoch)  # set before the stages start: their threads read it
         self.skipped_shards = 0  # set before the stages start: the decode thread counts into it
         self._lead, self._name = lead, name
-        self._lead_claimed = False  # a prefetch thread is getting ``lead[1]`` (under _lead_lock)
-        self._lead_lock = threading.Lock()
         self._led = threading.Event()  # ``lead[1]`` is in the cache (or given up): the lookahead may go
+        if not lead[1]:
+            self._led.set()
         self._skipped: set[int] = set()
         # Stage 1: shards into the cache, far ahead (network-bound, adaptive, byte-bounded).
         self.prefetcher: Prefetcher[tuple[int, int], CacheHandle] = Prefetcher(
@@ -80,28 +80,23 @@ class Consumer:
         """Get (position in the plan, shard) into the cache; earlier positions get the link first."""
         position, shard = item
         use_at = self.run_times[self.needed[position]]
-        self._fetch_lead(self._lead[0] if position == 0 else self._lead[1], use_at, own=position == 0)
+        if position == 0:
+            self._fetch_lead(self._lead[0], use_at)
+        elif position == 1:  # items start in order: the lookahead's first item gets lead[1] first
+            try:
+                self._fetch_lead(self._lead[1], use_at)
+            finally:
+                self._led.set()
+        else:
+            self._led.wait()  # set by item 1's load, whatever happens there
         return self.source.fetch(shard, priority=position, use_at=use_at, cancelled=self._cancelled)
 
-    def _fetch_lead(self, shards: Sequence[int], use_at: float, own: bool) -> None:
-        """The ``lead`` shards before this consumer's first (``own``: the caller loads it), or,
-        for any later item, those after it: one thread gets them while the others wait."""
-        if not shards:
-            return
-        if not own:
-            with self._lead_lock:
-                claimed, self._lead_claimed = self._lead_claimed, True
-            if claimed:
-                self._led.wait()  # set in the finally below, whatever happens
+    def _fetch_lead(self, shards: Sequence[int], use_at: float) -> None:
+        """Get ``shards`` (part of ``lead``) into the cache, one at a time, until one may not be."""
+        for shard in shards:
+            if self._cancelled() or not fetch_ahead(self.source, shard, priority=0, use_at=use_at,
+                                                    cancelled=self._cancelled, who=self._name):
                 return
-        try:
-            for shard in shards:
-                if self._cancelled() or not fetch_ahead(self.source, shard, priority=0, use_at=use_at,
-                                                        cancelled=self._cancelled, who=self._name):
-                    return
-        finally:
-            if not own:
-                self._led.set()
 
     def _decode(self, run: int) -> "_Run":
         """Runs on the decode thread: pin the run's shard (waiting on stage 1) and read its range."""
@@ -186,6 +181,7 @@ class Consumer:
         """Abandon transfers in flight (their temp files are removed), then stop both stages: the
         prefetcher first, which wakes the decode thread waiting on it. Idempotent."""
         self._stop.set()
+        self._led.set()  # a load waiting for the lead: wake it (it then sees the stop)
         self.prefetcher.close()
         self.decoder.close()
 

@@ -237,6 +237,15 @@ def split_even(order: np.ndarray, parts: int, drop_last: bool, unit: int = 1) ->
     return [order[i * per:(i + 1) * per] for i in range(parts)], padded
 
 
+def _worker_pieces(rank: Pieces, spec: PlanSpec, worker: int) -> Pieces:
+    """Worker ``worker``'s share of whole batches of its rank's order ``rank``, its runs in the
+    order it reads them (shuffled: the largest of its last ``window`` runs moved to its end, see
+    step 4 of the module docstring)."""
+    bounds = _worker_bounds(len(rank), spec.num_workers, spec.batch_size)
+    mine = rank.cut(bounds[worker], bounds[worker + 1])
+    return mine.largest_run_last(spec.window) if spec.shuffle else mine
+
+
 def _worker_bounds(n: int, num_workers: int, batch_size: int = 1) -> np.ndarray:
     """Where each worker's contiguous share of whole batches of a rank's ``n`` positions starts,
     plus the end (may pass ``n``: the rank's last batch may be short)."""
@@ -313,11 +322,8 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
     if mixed is not None:
         return mixed
     rank = segment.cut((spec.dp_rank - first) * per, (spec.dp_rank - first + 1) * per)
-    bounds = _worker_bounds(len(rank), spec.num_workers, spec.batch_size)
-    mine = rank.cut(bounds[spec.worker_id], bounds[spec.worker_id + 1])
+    mine = _worker_pieces(rank, spec, spec.worker_id)
     window = spec.window if spec.shuffle else 1
-    if spec.shuffle:  # a small last run would arrive just after the one before it: see the docstring
-        mine = mine.largest_run_last(window)
     if shards_only:
         starts, runs = mine.runs()
         return ConsumerPlan(runs, np.append(starts, len(mine)), None, None, len(mine), window, padded, starts)
@@ -371,10 +377,9 @@ def first_shards(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = 
     if _mix_block(counts, spec, segment, first, per) is not None:
         return []
     rank = segment.cut((spec.dp_rank - first) * per, (spec.dp_rank - first + 1) * per)
-    bounds = _worker_bounds(len(rank), spec.num_workers, spec.batch_size)
     out: list[int | None] = []
     for w in range(spec.num_workers):
-        _, runs = rank.cut(bounds[w], min(bounds[w] + 1, bounds[w + 1])).runs()
+        _, runs = _worker_pieces(rank, spec, w).runs()
         out.append(runs[0][0] if runs else None)
     return out
 
