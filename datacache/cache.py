@@ -187,19 +187,24 @@ class NodeCache(CacheAdminMixin):
                     txn.put(key, e)
             return True
         unlock_close(fd)
-        log.warning("datacache: cached file %s for %s failed verification (corrupt on disk); refetching", path, key)
-        self.index.count(corrupt=1)
-        self._drop(key, tier, rec["file"])
+        if self._drop(key, tier, rec["file"]):  # once per file, when several threads verify it at once
+            log.warning("datacache: cached file %s for %s failed verification (corrupt on disk); refetching",
+                        path, key)
+            self.index.count(corrupt=1)
         return False
 
-    def _drop(self, key: str, tier: str, fname: str) -> None:
+    def _drop(self, key: str, tier: str, fname: str) -> bool:
+        """Remove ``key``'s entry file ``fname`` from ``tier``; whether this call took it out of the
+        index (False: another thread or process already had)."""
         with self.index.write() as txn:
             e = txn.get(key)
-            if e is not None and e.tiers.get(tier, {}).get("file") == fname:
+            dropped = e is not None and e.tiers.get(tier, {}).get("file") == fname
+            if dropped:
                 del e.tiers[tier]
                 txn.put(key, e)
                 txn.add_used(tier, -e.size)
         remove_if_exists(self.tiers[tier].file_path(fname))
+        return dropped
 
     # ------------------------------------------------------------------ inserts
     def _fill(self, key: str, fetch: Fetch, size: int | None, digest: str | None,
