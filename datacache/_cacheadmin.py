@@ -6,10 +6,12 @@ sets (``index``, ``tiers``, ``lock_dir``). Every method is thread-safe and fork-
 """
 from __future__ import annotations
 
+import shutil
+import weakref
 from typing import Any
 
 from .index import Entry, Index
-from .tiers import Tier, pinned_files
+from .tiers import Tier, key_id, pinned_files
 from ._reconcile import clear
 
 __all__ = ["CacheAdminMixin"]
@@ -72,6 +74,37 @@ class CacheAdminMixin:
         """Bytes each tier may hold now ("ram", "ssd"; 0 for a disabled tier). Thread-safe."""
         return {name: (t.budget if t.enabled else 0) for name, t in self.tiers.items()}
 
+    def reading(self, owner: object, datasets: frozenset[str]) -> None:
+        """Note that ``owner`` (a dataset object) reads ``datasets`` through this cache in this
+        process, until it is garbage (``others_reading``: the node mix's and part mix's decisions
+        count it as a competing dataset before it has told the cache its plan). Thread-safe."""
+        token = id(owner)
+        self.open_datasets[token] = datasets  # type: ignore[attr-defined]
+        weakref.finalize(owner, self.open_datasets.pop, token, None)  # type: ignore[attr-defined]
+
+    def others_reading(self, datasets: frozenset[str]) -> bool:
+        """Whether this process reads a dataset other than ``datasets`` through this cache."""
+        return any(d - datasets for d in list(self.open_datasets.values()))  # type: ignore[attr-defined]
+
+    def scratch_path(self, key: str, size: int) -> str | None:
+        """Where a node-wide scratch copy of ``key`` may be filled (``datacache._partial``): in the
+        first enabled tier whose budget holds ``size`` bytes beside its entries and the scratch
+        copies in it now, and whose file system has twice that free; else None (the caller fetches
+        the whole shard). Its name starts with ``.tmp-``: reconciliation removes a leftover one."""
+        with self.index.read() as txn:
+            used = {name: txn.used(name) for name in self.tiers}
+        for name, tier in self.tiers.items():
+            if not tier.enabled:
+                continue
+            try:
+                scratch = sum(_size(e) for e in tier.scan() if e.name.endswith(".part") and e.name.startswith(".tmp-"))
+                free = shutil.disk_usage(tier.data_dir).free
+            except OSError:
+                continue
+            if used[name] + scratch + size <= tier.budget and free >= 2 * size:
+                return tier.temp_path(key_id(key)) + ".part"
+        return None
+
     def count(self, **deltas: float) -> None:
         """Add to the node-wide counters of ``stats()`` (e.g. ``wait_seconds``, ``skipped_shards``);
         written at the next index transaction or ``flush_stats``. Thread-safe, no I/O."""
@@ -88,3 +121,10 @@ class CacheAdminMixin:
     def reset_stats(self) -> None:
         with self.index.write() as txn:
             txn.reset_counters()
+
+
+def _size(entry: Any) -> int:
+    try:  # other processes' scratch copies come and go while we look
+        return int(entry.stat(follow_symlinks=False).st_size)
+    except FileNotFoundError:
+        return 0

@@ -7,10 +7,12 @@ It runs a two-stage pipeline over its runs, both through the one shard path (``s
 block decompressed once) and unpins them. The consumer then walks the plan's steps, yielding samples in the
 shuffled order while at most ``window`` runs are open. A node-mixed plan's run (``datacache._nodemix``)
 is one shard's rows of one chunk, read with ``read_rows``; its step yields the whole chunk once every
-run of the chunk is open. Not thread-safe: one consumer per thread.
+run of the chunk is open. A part mix's run (``datacache._partmix``) is the same, its rows loaded
+into the shard's partial copy (``ShardSource.load_rows``) rather than the whole shard fetched. Not thread-safe: one consumer per thread.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import warnings
@@ -25,7 +27,7 @@ from .errors import IntegrityError, NotFoundError, ReaderError
 from .eviction import Schedule
 from .plan import ConsumerPlan
 from .prefetch import Prefetcher
-from .shards import ShardSource
+from .shards import PartHandle, ShardSource
 from ._headstart import fetch_ahead
 from ._worker import parent_gone
 
@@ -66,20 +68,33 @@ class Consumer:
         if not lead[1]:
             self._led.set()
         self._skipped: set[int] = set()
+        if plan.parts:  # many small ranged reads, the first chunk's from many shards: more at once from the start
+            prefetch = dataclasses.replace(prefetch, slow_start=False, threads=max(prefetch.threads, _PART_THREADS),
+                                           max_threads=max(prefetch.max_threads, _PART_THREADS))
         # Stage 1: shards into the cache, far ahead (network-bound, adaptive, byte-bounded).
-        self.prefetcher: Prefetcher[tuple[int, int], CacheHandle] = Prefetcher(
-            list(enumerate(plan.runs[r][0] for r in self.needed)), self._load,
-            size_of=lambda item: self.manifest.shards[item[1]].bytes, release=CacheHandle.release, config=prefetch,
-            name=name)
+        self.prefetcher: Prefetcher[tuple[int, int], CacheHandle | PartHandle] = Prefetcher(
+            list(enumerate(plan.runs[r][0] for r in self.needed)), self._load, size_of=self._size_of,
+            release=lambda handle: handle.release(), config=prefetch, name=name)
         # Stage 2: the next runs decoded while the current step is consumed.
         self.decoder: Prefetcher[int, _Run] = Prefetcher.bounded(
             self.needed, self._decode, ahead=_DECODE_AHEAD, release=_Run.release, name=f"{name}-decode")
         self.consumed = skip
 
-    def _load(self, item: tuple[int, int]) -> CacheHandle:
-        """Get (position in the plan, shard) into the cache; earlier positions get the link first."""
+    def _size_of(self, item: tuple[int, int]) -> int:
+        """The bytes the load of (position, shard) brings: the shard's, or a part mix's rows' share."""
+        info = self.manifest.shards[item[1]]
+        if not self.plan.parts or self.plan.rows is None:
+            return info.bytes
+        return -(-info.bytes * len(self.plan.rows[self.needed[item[0]]]) // max(info.samples, 1))
+
+    def _load(self, item: tuple[int, int]) -> CacheHandle | PartHandle:
+        """Get (position in the plan, shard) into the cache (a part mix's run: its rows, into the
+        shard's partial copy); earlier positions get the link first."""
         position, shard = item
         use_at = self.run_times[self.needed[position]]
+        if self.plan.parts and self.plan.rows is not None:
+            return self.source.load_rows(shard, self.plan.rows[self.needed[position]].tolist(), priority=position,
+                                         use_at=use_at, cancelled=self._cancelled)
         if position == 0:
             self._fetch_lead(self._lead[0], use_at)
         elif position == 1:  # items start in order: the lookahead's first item gets lead[1] first
@@ -184,9 +199,12 @@ class Consumer:
         self._led.set()  # a load waiting for the lead: wake it (it then sees the stop)
         self.prefetcher.close()
         self.decoder.close()
+        if self.plan.parts:
+            self.source.forget_parts()
 
 
 _DECODE_AHEAD = 2  # runs decoded ahead of the one being consumed
+_PART_THREADS = 12  # a part mix's loads at once per consumer, at least
 
 
 class _Run:

@@ -60,6 +60,7 @@ class NodeCache(CacheAdminMixin):
         self.lock_dir = ensure_private_dir(os.path.join(self.control_dir, "locks"))
         self._pass = PassDir([self.ram, self.ssd], self.control_dir)
         self._access = threading.local()
+        self.open_datasets: dict[int, frozenset[str]] = {}  # this process's readers of it (``reading``)
         self.index = Index(self.control_dir)
         self._node = NodeLock(self.control_dir)
         self.reconciled = self._node.join(lambda: reconcile(self.index, self.tiers, self.pass_dir))

@@ -80,7 +80,9 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
       node; ``datacache._nodemix``), and epoch 0 too when the share is already cached (a cache
       warmed with ``datacache warm``); "always": every epoch, the first too (on a cold cache the
       first batch then waits for about one batch's shards);
-      "never": the sliding window only. ``shuffle_chunk``: bytes a node-mixed consumer reads per
+      "never": the sliding window only; "parts": as "auto", and a cold epoch 0 whose share will
+      fit is read as a part mix (``datacache._partmix``: parts of every shard at once by ranged
+      reads, each batch from many shards; dcz datasets, one node). ``shuffle_chunk``: bytes a node-mixed consumer reads per
       chunk (default: the RAM tier's budget over 8 x the node's consumers, within 1 to 64 MB).
     - ``transform``: applied to each sample (in the consumer's process) before it is yielded.
     - ``batch_size``: when set, yields collated batches (``collate_fn``, default: what
@@ -133,6 +135,7 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         self.shuffle, self.seed, self.drop_last, self.window = shuffle, seed, drop_last, window
         self.node_shuffle, self.shuffle_chunk = node_shuffle, parse_size(shuffle_chunk)
         self._key_datasets = key_datasets(self.manifest)
+        self.cache.reading(self, self._key_datasets)
         if node_shuffle not in NODE_SHUFFLE:
             raise ValueError(f"node_shuffle={node_shuffle!r}: expected one of {', '.join(NODE_SHUFFLE)}")
         self.transform, self.batch_size, self.collate_fn = transform, batch_size, collate_fn
@@ -207,7 +210,8 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         return replace(spec, **mix_fields(
             self.node_shuffle, self.shuffle_chunk, self.cache, consumers, epoch=spec.epoch,
             datasets=self._key_datasets, share_cached=None if self._mix is not None else share_cached,
-            ident=(self.manifest.dataset_id, self.seed, self.dp_size, self.num_nodes, spec.node)))
+            ident=(self.manifest.dataset_id, self.seed, self.dp_size, self.num_nodes, spec.node),
+            parts=self._mix is None and self.source.fmt.layout is not None))
 
     def _num_nodes(self) -> int:
         """Nodes the data-parallel ranks spread over (``dist.plan_nodes``); 1 (a global plan) when

@@ -31,6 +31,7 @@ __all__ = ["Entry", "Index", "COUNTERS"]
 COUNTERS = (
     "hits_ram", "hits_ssd", "misses", "bytes_ram", "bytes_ssd", "remote_bytes", "fetches", "fetch_seconds",
     "evictions_ram", "evictions_ssd", "demotions", "promotions", "bypassed", "corrupt", "waited",
+    "partial_bytes",
 )
 _D = struct.Struct("<d")
 _log = logging.getLogger("datacache.cache")

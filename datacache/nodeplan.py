@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from ._nodemix import DEFAULT_CHUNK_BYTES, MIX_SHARE
+from ._partmix import PART_BYTES
 from ._nodeorder import digest, readonly
 from ._nodeshare import shared_array
 from .cache import NodeCache
@@ -135,7 +136,7 @@ def cap_lookahead(prefetch: PrefetchConfig, cache: NodeCache, manifest: Manifest
                                max_lookahead_bytes=max(la, min(int(prefetch.max_lookahead_bytes), cap)))
 
 
-NODE_SHUFFLE = ("auto", "always", "never")
+NODE_SHUFFLE = ("auto", "always", "never", "parts")
 _ALWAYS = 1 << 62
 
 
@@ -151,7 +152,7 @@ def sliding_window(ram_bytes: int, consumers: int, shard_bytes: int) -> int:
 
 def mix_fields(node_shuffle: str, shuffle_chunk: int | None, cache: NodeCache, consumers: int, *, epoch: int,
                datasets: frozenset[str], ident: tuple,
-               share_cached: Callable[[int], bool] | None = None) -> dict[str, int]:
+               share_cached: Callable[[int], bool] | None = None, parts: bool = False) -> dict[str, int]:
     """The ``PlanSpec`` fields of the node mix (``datacache._nodemix``) in ``epoch`` for a dataset
     on ``cache`` read by the node's ``consumers``: ``"auto"`` mixes from epoch 1 on when the
     node's share is at most ``MIX_SHARE`` of the cache's budget and no other dataset is in use on
@@ -160,18 +161,24 @@ def mix_fields(node_shuffle: str, shuffle_chunk: int | None, cache: NodeCache, c
     ``"always"`` every epoch; ``"never"`` none. The chunk: the given ``shuffle_chunk`` bytes, else
     the RAM tier's budget over 8 x ``consumers``, within 1 to 64 MB. ``datasets``: the cache-key
     datasets of this one (a mix's streams); ``ident``: what else names this dataset's plan on the
-    node (the decision is made once per node and epoch)."""
+    node (the decision is made once per node and epoch). ``"parts"``: as ``"auto"``, and where the
+    dataset can be read part by part (``parts``: ``readers.base.ShardLayout``), an epoch 0 whose
+    share is not cached, but would be mixed once it is, is read as a part mix
+    (``datacache._partmix``)."""
     if node_shuffle not in NODE_SHUFFLE:
         raise ValueError(f"node_shuffle={node_shuffle!r}: expected one of {', '.join(NODE_SHUFFLE)}")
     ram = cache.budgets().get("ram", 0)
     chunk = shuffle_chunk or min(DEFAULT_CHUNK_BYTES, max(1 << 20, ram // (8 * max(consumers, 1))))
-    if node_shuffle == "never" or (node_shuffle == "auto" and epoch < 1 and share_cached is None):
+    if node_shuffle == "never" or (node_shuffle in ("auto", "parts") and epoch < 1 and share_cached is None):
         return {"mix_bytes": 0, "chunk_bytes": chunk}
     if node_shuffle == "always":
         return {"mix_bytes": _ALWAYS, "mix_from": 0, "chunk_bytes": chunk}
     if epoch < 1:
-        return {"mix_bytes": auto_budget(cache, datasets, ident + (epoch,), require=share_cached), "mix_from": 0,
-                "chunk_bytes": chunk}
+        cached = auto_budget(cache, datasets, ident + (epoch,), require=share_cached)
+        if cached or not parts or node_shuffle != "parts":
+            return {"mix_bytes": cached, "mix_from": 0, "chunk_bytes": chunk}
+        return {"mix_bytes": auto_budget(cache, datasets, ident + (epoch, "parts")), "mix_from": 1,
+                "chunk_bytes": chunk, "part_bytes": PART_BYTES}
     return {"mix_bytes": auto_budget(cache, datasets, ident + (epoch,)), "mix_from": 1, "chunk_bytes": chunk}
 
 
@@ -191,6 +198,8 @@ def auto_budget(cache: NodeCache, datasets: frozenset[str], ident: tuple,
         return known
 
     def decide() -> np.ndarray:
+        if cache.others_reading(datasets):  # another dataset of this process, its plan not told yet
+            return np.zeros(1, dtype=np.int64)
         policy = cache.policy
         if isinstance(policy, NodePolicy):
             policy.refresh(rescan=True)

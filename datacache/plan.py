@@ -42,6 +42,10 @@ use of every shard for clairvoyant eviction. Steps:
 5. Node mix (``datacache._nodemix``, replacing steps 3's order and 4): from epoch
    ``mix_from`` on, a node whose part's shards fit in ``mix_bytes`` permutes its whole part
    uniformly before the rank and worker split, and its consumers read in chunks grouped by shard.
+   Before ``mix_from``, with ``part_bytes`` set, such a node reads a part mix instead
+   (``datacache._partmix``): its part cut into parts of shards, the parts permuted, the samples
+   shuffled over a sliding window of parts in node time and dealt to the consumers' batches in
+   the order the loaders take them, each part read by ranged reads.
 
 Exactly once: across all ranks and workers of an epoch every sample appears once, plus ``padded``
 repeats when ``drop_last=False``. Resuming a partly consumed epoch with another world size uses
@@ -58,6 +62,7 @@ import numpy as np
 
 from ._nodemix import DEFAULT_CHUNK_BYTES, chunk_runs, chunk_samples, mix_positions, node_mixes
 from ._nodeorder import digest, memo, node_part, node_pieces
+from ._partmix import PART_WINDOW, part_chunk, part_mixes, part_piece, part_rows
 from ._pieces import Pieces
 
 __all__ = ["PlanSpec", "EpochOrders", "ConsumerPlan", "global_order", "split_even", "build_plan", "remainder_order",
@@ -74,7 +79,9 @@ class PlanSpec:
     ``mix_from``: from epoch ``mix_from`` on, a node whose part's shards hold at most
     ``mix_bytes`` bytes (sample counts without ``shard_bytes``) reads it as one uniform
     permutation (``datacache._nodemix``; 0: never); ``chunk_bytes``: a mixed consumer's read
-    granule, which changes no sample's position."""
+    granule, which changes no sample's position. ``part_bytes``: where > 0, an earlier epoch whose
+    part would be mixed so is read as a part mix instead (``datacache._partmix``), in parts of
+    about that many bytes."""
 
     seed: int = 0
     epoch: int = 0
@@ -92,6 +99,7 @@ class PlanSpec:
     mix_bytes: int = 0
     mix_from: int = 1
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    part_bytes: int = 0
     shard_bytes: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -260,7 +268,9 @@ class ConsumerPlan:
     ``runs``: (shard, lo, hi) per run, in the order they are needed: the run reads local indices
     within ``[lo, hi)`` of ``shard``. ``steps``: positions where each step starts, plus the end.
     ``samples``/``run_of``: global sample id and run of each read position (``None`` for a
-    shards-only plan). ``padded``: repeats added to this epoch across all ranks.
+    shards-only plan). ``padded``: repeats added to this epoch across all ranks. ``rows``: the
+    rows each run reads (a mixed plan's). ``parts``: a part mix's plan, whose runs are read part by
+    part (``ShardSource.load_rows``) rather than as whole shards.
     """
 
     runs: list[tuple[int, int, int]]
@@ -272,6 +282,7 @@ class ConsumerPlan:
     padded: int
     run_starts: np.ndarray
     rows: list[np.ndarray] | None = None
+    parts: bool = False
 
     def __len__(self) -> int:
         return self.length
@@ -342,35 +353,39 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
     return ConsumerPlan(runs, steps, piece[perm], run_of[perm], len(piece), window, padded, starts)
 
 
-def _mix_block(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int, per: int) -> Pieces | None:
-    """The node's part of ``segment`` (which holds the node's ranks from rank ``first`` on,
-    ``per`` positions each) when ``spec``'s epoch is a node mix there, else None."""
+def _mix_block(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int, per: int) -> tuple[Pieces, bool] | None:
+    """(the node's part of ``segment``, whether a part mix) when ``spec``'s epoch is a node mix
+    or a part mix there (``segment`` holds the node's ranks from rank ``first`` on, ``per``
+    positions each), else None."""
     node_ranks = spec.dp_size // spec.layout_nodes
     a = (spec.node * node_ranks - first) * per
     block = segment.cut(a, a + node_ranks * per)
     weights = _weights(counts, spec)
     share = int(weights[np.unique(block.shard)].sum()) if len(block.shard) else 0
-    if not node_mixes(shuffle=spec.shuffle, mix_bytes=spec.mix_bytes, mix_from=spec.mix_from, epoch=spec.epoch,
-                      composed=spec.composed, spread_nodes=spec.num_nodes > 1 and spec.layout_nodes == 1,
-                      share_bytes=share):
-        return None
-    return block
+    kw = dict(shuffle=spec.shuffle, mix_bytes=spec.mix_bytes, mix_from=spec.mix_from, epoch=spec.epoch,
+              composed=spec.composed, spread_nodes=spec.num_nodes > 1 and spec.layout_nodes == 1, share_bytes=share)
+    if node_mixes(**kw):
+        return block, False
+    if spec.layout_nodes == 1 and part_mixes(part_bytes=spec.part_bytes, **kw):  # one node: see _partmix
+        return block, True
+    return None
 
 
 def mixed_share(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = None) -> np.ndarray | None:
     """The shards of ``spec``'s node's part when the epoch is a node mix there (every consumer of
-    the node reads from all of them throughout the epoch), else None. O(shards)."""
+    the node reads from all of them throughout the epoch: a node mix or a part mix), else None.
+    O(shards)."""
     counts = np.asarray(counts, dtype=np.int64)
     segment, first, ranks, _ = _rank_segment(counts, spec, order)
-    block = _mix_block(counts, spec, segment, first, len(segment) // ranks)
-    return None if block is None else np.unique(block.shard[block.hi > block.lo])
+    got = _mix_block(counts, spec, segment, first, len(segment) // ranks)
+    return None if got is None else np.unique(got[0].shard[got[0].hi > got[0].lo])
 
 
 def first_shards(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = None) -> list[int | None]:
     """The shard of the first run of each of ``spec``'s rank's ``num_workers`` consumers, in
     worker order (None for one with nothing to read): what each one's first step needs, as
-    ``build_plan`` with the same ``order`` plans it. Empty for a node-mixed epoch (its consumers
-    read from every shard of the share at once). O(the rank's pieces)."""
+    ``build_plan`` with the same ``order`` plans it. Empty for a node-mixed or part-mixed epoch
+    (its consumers read from every shard of the share at once). O(the rank's pieces)."""
     counts = np.asarray(counts, dtype=np.int64)
     segment, first, ranks, _ = _rank_segment(counts, spec, order)
     per = len(segment) // ranks
@@ -386,26 +401,32 @@ def first_shards(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = 
 
 def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int, per: int, padded: int,
                 shards_only: bool) -> ConsumerPlan | None:
-    """The consumer's plan when its node's part is read as a node mix (``datacache._nodemix``),
-    else None. ``segment`` holds the node's ranks from rank ``first`` on, ``per`` positions each.
+    """The consumer's plan when its node's part is read as a node mix (``datacache._nodemix``)
+    or a part mix (``datacache._partmix``), else None. ``segment`` holds the node's ranks from rank ``first`` on, ``per`` positions each.
     ``shards_only``: the same runs, without ``samples``/``run_of`` (computed all the same: a
     mixed consumer's runs depend on its samples)."""
-    block = _mix_block(counts, spec, segment, first, per)
-    if block is None:
+    got = _mix_block(counts, spec, segment, first, per)
+    if got is None:
         return None
+    block, parts = got
     node_ranks = spec.dp_size // spec.layout_nodes
     offsets = _offsets(counts)
     rank_start = (spec.dp_rank - spec.node * node_ranks) * per
     bounds = _worker_bounds(per, spec.num_workers, spec.batch_size)
     lo, hi = rank_start + bounds[spec.worker_id], rank_start + min(bounds[spec.worker_id + 1], per)
-    source = mix_positions(np.arange(lo, hi), len(block), seed=spec.seed, epoch=spec.epoch, node=spec.node)
-    piece = block.at(source, offsets)
-    c = chunk_runs(piece, offsets, chunk_samples(spec.chunk_bytes, spec.shard_bytes, counts))
-    if shards_only:
-        return ConsumerPlan(c["runs"], c["steps"], None, None, len(piece), c["window"], padded, c["starts"],
-                            rows=c["rows"])
-    return ConsumerPlan(c["runs"], c["steps"], piece, c["run_of"], len(piece), c["window"], padded, c["starts"],
-                        rows=c["rows"])
+    chunk = chunk_samples(spec.chunk_bytes, spec.shard_bytes, counts)
+    if parts:
+        piece = part_piece(block, offsets, lo, hi, rows=part_rows(spec.part_bytes, spec.shard_bytes, counts),
+                           window=PART_WINDOW, seed=spec.seed, epoch=spec.epoch, node=spec.node,
+                           node_ranks=node_ranks, per=per, bounds=bounds, batch_size=spec.batch_size)
+        chunk = part_chunk(spec.batch_size, chunk)
+    else:
+        source = mix_positions(np.arange(lo, hi), len(block), seed=spec.seed, epoch=spec.epoch, node=spec.node)
+        piece = block.at(source, offsets)
+    c = chunk_runs(piece, offsets, chunk)
+    samples, run_of = (None, None) if shards_only else (piece, c["run_of"])
+    return ConsumerPlan(c["runs"], c["steps"], samples, run_of, len(piece), c["window"], padded, c["starts"],
+                        rows=c["rows"], parts=parts)
 
 
 def remainder_order(counts: np.ndarray, spec: PlanSpec, consumed: list[int],

@@ -40,13 +40,17 @@ __all__ = ["STATE_VERSION", "NO_MIX", "Link", "ResumeState", "start_state", "ran
            "resume_plan", "resume_spec", "plan_mix"]
 
 STATE_VERSION = 2
-NO_MIX = (0, 1)  # (mix_bytes, mix_from) of a plan without the node mix: what older states were saved with
+NO_MIX = (0, 1, 0)  # (mix_bytes, mix_from, part_bytes) of a plan without the node mix or the part mix
 
 
-def _check_mix(mix: Any) -> None:
-    if not (isinstance(mix, tuple) and len(mix) == 2 and all(isinstance(v, (int, np.integer)) and v >= 0
-                                                             for v in mix)):
-        raise ValueError(f"resume state: mix={mix!r}, expected (mix_bytes, mix_from) integers >= 0; {_HOW}")
+def _check_mix(mix: Any) -> tuple[int, int, int]:
+    """``mix`` as (mix_bytes, mix_from, part_bytes); a state saved before the part mix has only
+    the first two (its epochs were read without it: part_bytes 0)."""
+    if not (isinstance(mix, tuple) and len(mix) in (2, 3) and all(isinstance(v, (int, np.integer)) and v >= 0
+                                                                  for v in mix)):
+        raise ValueError(f"resume state: mix={mix!r}, expected (mix_bytes, mix_from, part_bytes) integers >= 0; "
+                         f"{_HOW}")
+    return (int(mix[0]), int(mix[1]), int(mix[2]) if len(mix) == 3 else 0)
 _HOW = ("pass what StreamingDataset.state_dict() or StatefulDataLoader.state_dict() returned "
         "(see datacache.resume)")
 
@@ -66,10 +70,10 @@ class Link:
     consumed: tuple[int, ...]
     batch_size: int = 1
     num_nodes: int = 1
-    mix: tuple[int, int] = NO_MIX
+    mix: tuple[int, ...] = NO_MIX
 
     def __post_init__(self) -> None:
-        _check_mix(self.mix)
+        object.__setattr__(self, "mix", _check_mix(self.mix))
         _count("dp_size", self.dp_size, 1)
         _count("num_workers", self.num_workers, 1)
         _count("batch_size", self.batch_size, 1)
@@ -111,10 +115,10 @@ class ResumeState:
     batch_size: int = 1  # the plan's (batched mode's); states without one were saved with 1
     num_nodes: int = 1  # the plan's node count (node placement); likewise
     next_worker: int = 0  # the plan worker whose batch comes next (datacache._rounds); 0 in older states
-    mix: tuple[int, int] = NO_MIX  # the epoch's node-mix decision on the saving rank's node (PlanSpec fields)
+    mix: tuple[int, ...] = NO_MIX  # the epoch's mix decision on the saving rank's node (PlanSpec fields)
 
     def __post_init__(self) -> None:
-        _check_mix(self.mix)
+        object.__setattr__(self, "mix", _check_mix(self.mix))
         _count("epoch", self.epoch)
         _count("dp_size", self.dp_size, 1)
         _count("num_workers", self.num_workers, 1)
@@ -198,7 +202,7 @@ class ResumeState:
 
     def advanced(self, *, dp_size: int, dp_rank: int, num_workers: int, worker_id: int,
                  consumed: int | None, batch_size: int = 1, num_nodes: int = 1,
-                 mix: tuple[int, int] | None = None) -> ResumeState:
+                 mix: tuple[int, ...] | None = None) -> ResumeState:
         """The state of consumer ``worker_id`` that started from this state and has delivered
         ``consumed`` samples of its plan (the other workers' counts unknown to it). ``mix``: the
         node-mix decision its plan was built with (default: this state's in its own layout)."""
@@ -217,7 +221,7 @@ class ResumeState:
         return (worker + self.next_worker) % num_workers
 
     def pending(self, *, dp_size: int, dp_rank: int, num_workers: int, worker_id: int,
-                batch_size: int = 1, num_nodes: int = 1, mix: tuple[int, int] | None = None) -> ResumeState:
+                batch_size: int = 1, num_nodes: int = 1, mix: tuple[int, ...] | None = None) -> ResumeState:
         """What a DataLoader worker that loaded this state but has not delivered anything reports,
         in its own layout (so it merges with the states of its fellow workers that did); ``None``
         if this state lacks the worker's count (then ``rank_state`` refuses the loader's state).
@@ -229,17 +233,17 @@ class ResumeState:
 
 
 def start_state(*, epoch: int, seed: int, dataset_id: str, dp_size: int, dp_rank: int, num_workers: int,
-                batch_size: int = 1, num_nodes: int = 1, mix: tuple[int, int] = NO_MIX) -> ResumeState:
+                batch_size: int = 1, num_nodes: int = 1, mix: tuple[int, ...] = NO_MIX) -> ResumeState:
     """The state at the start of an epoch (nothing delivered, no chain); ``mix``: the epoch's
-    node-mix decision (``PlanSpec.mix_bytes``, ``mix_from``)."""
+    node-mix and part-mix decision (``PlanSpec.mix_bytes``, ``mix_from``, ``part_bytes``)."""
     return ResumeState(epoch=epoch, seed=seed, dataset_id=dataset_id, dp_size=dp_size, dp_rank=dp_rank,
                        num_workers=num_workers, consumed=(0,) * num_workers, batch_size=batch_size,
                        num_nodes=num_nodes, mix=tuple(mix))
 
 
-def plan_mix(spec: PlanSpec) -> tuple[int, int]:
-    """A spec's node-mix decision, as a state records it."""
-    return (int(spec.mix_bytes), int(spec.mix_from))
+def plan_mix(spec: PlanSpec) -> tuple[int, int, int]:
+    """A spec's node-mix and part-mix decision, as a state records it."""
+    return (int(spec.mix_bytes), int(spec.mix_from), int(spec.part_bytes))
 
 
 def resume_spec(spec: PlanSpec, state: ResumeState | None) -> PlanSpec:
@@ -248,7 +252,7 @@ def resume_spec(spec: PlanSpec, state: ResumeState | None) -> PlanSpec:
     node, whose cache may decide otherwise, reads the same order); ``spec`` as is otherwise."""
     if state is None or not state.same_layout(spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes):
         return spec
-    return replace(spec, mix_bytes=state.mix[0], mix_from=state.mix[1])
+    return replace(spec, mix_bytes=state.mix[0], mix_from=state.mix[1], part_bytes=state.mix[2])
 
 
 def _worker_state(snapshot: Mapping[str, Any], key: str) -> ResumeState:
@@ -315,7 +319,8 @@ def _link_spec(spec: PlanSpec, link: Link | ResumeState) -> PlanSpec:
     """The spec of the layout that read ``link``, with the node-mix decision it recorded (every old
     node taken to have decided as the saving rank's did)."""
     return replace(spec, dp_size=link.dp_size, num_workers=link.num_workers, batch_size=link.batch_size,
-                   num_nodes=link.num_nodes, dp_rank=0, worker_id=0, mix_bytes=link.mix[0], mix_from=link.mix[1])
+                   num_nodes=link.num_nodes, dp_rank=0, worker_id=0, mix_bytes=link.mix[0], mix_from=link.mix[1],
+                   part_bytes=link.mix[2])
 
 
 def resume_plan(counts: np.ndarray, spec: PlanSpec, state: ResumeState | None,

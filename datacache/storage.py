@@ -273,13 +273,15 @@ class Store:
                 out.append((rel, int(info.get("size") or 0)))
         return sorted(out)
 
-    def read_range(self, name: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of object ``name`` (one ranged GET, retried)."""
+    def read_range(self, name: str, start: int, end: int, *, priority: float = 0.0,
+                   cancelled: Callable[[], bool] | None = None) -> bytes:
+        """Bytes ``[start, end)`` of object ``name`` (one ranged GET, retried). ``priority`` and
+        ``cancelled``: as for ``read_into``."""
         if not 0 <= start <= end:
             raise ValueError(f"bad range [{start}, {end})")
         if start == end:
             return b""
-        return self._read_part(name, start, end, None, time.monotonic(), None)
+        return self._read_part(name, start, end, None, time.monotonic(), cancelled, priority)
 
     def read_bytes(self, name: str, *, size: int | None = None) -> bytes:
         """The whole object, by parallel ranged GETs. Pass ``size`` (known from a manifest) to skip

@@ -17,6 +17,7 @@ Each :meth:`ShardReader.iter_range` decodes afresh, so a change shows in no late
 from __future__ import annotations
 
 import abc
+import bisect
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -24,7 +25,7 @@ from typing import Any, Callable, Iterator
 from .codec import Sample, Schema, check_sample, check_schema
 from .errors import ReaderError
 
-__all__ = ["ReaderError", "ShardReader", "ShardWriter", "ShardFormat", "Sample", "Schema"]
+__all__ = ["ReaderError", "ShardReader", "ShardWriter", "ShardFormat", "ShardLayout", "Sample", "Schema"]
 
 
 class ShardReader(abc.ABC):
@@ -144,6 +145,11 @@ class ShardReader(abc.ABC):
         one, the kinds its fields come back as (see the format's reader)."""
         return dict(self.schema or {})
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
+        return self._closed
+
     def close(self) -> None:
         """Release the file handles; idempotent. The reader cannot be used afterwards."""
         if self._closed:
@@ -262,13 +268,56 @@ Probe = Callable[[ReadRange, int, str], "tuple[int, Schema] | None"]
 
 
 @dataclass(frozen=True)
+class ShardLayout:
+    """Where a shard file's samples lie, so that a reader can serve some samples of a file of which
+    only some byte ranges are present (the others may hold anything). Immutable.
+
+    ``fixed``: the byte ranges ``(start, end)`` every read needs (header, index, footer).
+    ``spans``: per *unit* (a format's smallest independently readable piece: a dcz block) its
+    byte range, in file order. ``first``: per unit its first sample; unit ``u`` holds samples
+    ``first[u] .. first[u + 1] - 1`` (the last up to ``samples - 1``).
+    """
+
+    size: int
+    samples: int
+    fixed: tuple[tuple[int, int], ...]
+    spans: tuple[tuple[int, int], ...]
+    first: tuple[int, ...]
+
+    def units_of(self, lo: int, hi: int) -> range:
+        """The units holding samples ``lo .. hi - 1`` (empty for ``lo >= hi``)."""
+        if not 0 <= lo <= hi <= self.samples:
+            raise ValueError(f"samples [{lo}, {hi}) not within [0, {self.samples})")
+        if lo == hi:
+            return range(0)
+        return range(bisect.bisect_right(self.first, lo) - 1, bisect.bisect_right(self.first, hi - 1))
+
+    def units_of_rows(self, rows: list[int]) -> list[int]:
+        """The units holding the samples ``rows`` (sorted, each in range), ascending, once each."""
+        if rows and not 0 <= rows[0] <= rows[-1] < self.samples:
+            raise ValueError(f"rows {rows[0]}..{rows[-1]} not within [0, {self.samples})")
+        out: list[int] = []
+        for r in rows:
+            u = bisect.bisect_right(self.first, r) - 1
+            if not out or out[-1] != u:
+                out.append(u)
+        return out
+
+
+Layout = Callable[[ReadRange, int, str], ShardLayout]
+
+
+@dataclass(frozen=True)
 class ShardFormat:
     """A registered shard format: ``open(path, **kw)`` and ``ShardWriter(path, schema, **kw)``.
 
     ``probe(read_range, size, name)``, where a format has one, checks a file that is not local
     (a remote object) with a few range reads: it returns ``(samples, schema)`` when they can be
     told without reading the whole file (Parquet's footer), else None, and raises
-    :class:`ReaderError` naming ``name`` when the file is not of this format. ``union_schema``:
+    :class:`ReaderError` naming ``name`` when the file is not of this format.
+    ``layout(read_range, size, name)``, where a format has one, reads (with a few range reads) and
+    validates where a file's samples lie: a :class:`ShardLayout`, so that a cache may fill a file
+    unit by unit and read samples from it before it is whole. ``union_schema``:
     samples may lack some fields (WebDataset tars), so a dataset's schema is the union of its
     files' schemas rather than one schema they all share.
     """
@@ -279,6 +328,7 @@ class ShardFormat:
     ShardWriter: Callable[..., ShardWriter]
     probe: Probe | None = None
     union_schema: bool = False
+    layout: Layout | None = None
 
     def open(self, path: str | os.PathLike[str], **kw: Any) -> ShardReader:
         """Open ``path`` as a shard of this format (raises :class:`ReaderError`)."""

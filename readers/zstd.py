@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import zlib
 from array import array
 from typing import Any, Iterator
 
@@ -37,17 +36,14 @@ import zstandard
 
 from ._bufpool import shared_pool
 from ._cowmap import CowMap
-from ._dczindex import BLOCK_ROW as _BLOCK_ROW
 from ._dczindex import FOOTER as _FOOTER
-from ._dczindex import HEAD as _HEAD
-from ._dczindex import MAGIC, RAW_BLOCK, block_problem, sample_problem
-from ._dczindex import SAMPLE_ROW as _SAMPLE_ROW
+from ._dczindex import MAGIC, RAW_BLOCK, dcz_layout, parse_index
 from ._dczindex import encode_footer as _encode_footer
 from ._dczindex import encode_index as _encode_index
 from .base import ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
-from .codec import Sample, Schema, decode_sample, decode_uniform, encode_sample, schema_from_json
+from .codec import Sample, Schema, decode_sample, decode_uniform, encode_sample
 from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
 __all__ = ["ZstdShardReader", "ZstdShardWriter", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
@@ -236,39 +232,14 @@ class ZstdShardReader(_BaseReader):
     def _parse(self, size: int) -> None:
         """Read and validate footer and index (all sizes checked before use)."""
         assert self._mmap is not None
-        io, il, n, crc, magic = _FOOTER.unpack_from(self._mmap, size - _FOOTER.size)
-        if magic != MAGIC:
-            raise self._corrupt("no footer magic at the end of the file")
-        if io < len(MAGIC) or il != size - _FOOTER.size - io:
-            raise self._corrupt(f"index span ({io}, {il}) does not fit the file")
-        index = self._mmap[io:io + il]
-        if zlib.crc32(index) != crc:
-            raise self._corrupt("index checksum mismatch")
-        if il < _HEAD.size:
-            raise self._corrupt("index too short")
-        schema_len, dict_off, dict_len, nblocks = _HEAD.unpack_from(index, 0)
-        pos = _HEAD.size + schema_len
-        if pos > il or nblocks > (il - pos) // _BLOCK_ROW:
-            raise self._corrupt("index header declares more data than the index holds")
-        self.schema = schema_from_json(index[_HEAD.size:pos], self.path)
-        if il - pos - nblocks * _BLOCK_ROW != n * _SAMPLE_ROW:
-            raise self._corrupt(f"sample table does not match the sample count {n}")
-        self._check_dict(dict_off, dict_len, io)
-        blocks = np.frombuffer(index, "<u8", nblocks * 4, pos).reshape(nblocks, 4)
-        samples = np.frombuffer(index, "<u8", n * 2, pos + nblocks * _BLOCK_ROW).reshape(n, 2)
-        problem = block_problem(blocks, n, io, self.max_block_bytes) or sample_problem(blocks, samples, n)
-        if problem:
-            raise self._corrupt(problem)
-        self._blocks, self._samples, self._n = blocks, samples, n
-        self._first = blocks[:, 3]
-
-    def _check_dict(self, offset: int, length: int, index_offset: int) -> None:
-        if length == 0:
-            return
-        if length > self.max_block_bytes or not len(MAGIC) <= offset <= index_offset - length:
-            raise self._corrupt(f"dictionary span ({offset}, {length}) is invalid")
-        assert self._mmap is not None
-        self._dict_bytes = self._mmap[offset:offset + length]
+        mm = self._mmap
+        ix = parse_index(lambda a, b: mm[a:b], size, self.max_block_bytes, os.fspath(self.path))
+        self.schema = ix.schema
+        offset, length = ix.dict_span
+        if length:
+            self._dict_bytes = mm[offset:offset + length]
+        self._blocks, self._samples, self._n = ix.blocks, ix.samples, ix.count
+        self._first = ix.blocks[:, 3]
 
     def __len__(self) -> int:
         return self._n
@@ -375,4 +346,4 @@ class ZstdShardReader(_BaseReader):
             return None  # sample by sample, for the error naming the sample
 
 FORMAT = ShardFormat(name="zstd", extension=".dcz", reader=ZstdShardReader,
-                     ShardWriter=ZstdShardWriter)
+                     ShardWriter=ZstdShardWriter, layout=dcz_layout)

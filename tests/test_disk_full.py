@@ -32,7 +32,9 @@ def test_ssd_fills_up_mid_epoch_degrades_to_pass_through(small_tmpfs: Path, tmp_
     # RAM tier smaller than a shard (never admits one; pass-through files live there), SSD budget
     # far beyond the 24 MB file system: shrunk at open with one warning.
     cfg = H.cache_config(tmp_path, ram="32KB", ssd="1GB", ssd_dir=str(small_tmpfs / "ssd"))
-    ds = StreamingDataset(url, cache=cfg)
+    # The window (whole shards): a part mix here falls back to whole fetches once the copies find
+    # no room, and a pass-through shard is then fetched once per chunk that reads it.
+    ds = StreamingDataset(url, cache=cfg, node_shuffle="never")
     assert ds.cache.ssd.enabled and ds.cache.ssd.budget < 32 << 20
     assert len(H.warnings_with(caplog, "shrunk")) == 1
     # Room for about three shards, then ENOSPC mid-shard; what that partial file held is freed

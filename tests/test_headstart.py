@@ -17,6 +17,9 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _dataset(url: str, opts: dict[str, Any], tmp_path: Path, **kw: Any) -> StreamingDataset:
+    """The window's epoch (``node_shuffle="never"``): its workers' first shards are what a head start
+    and the lead get (a part mix reads parts of every shard from the start: tests/test_node_mix.py)."""
+    kw.setdefault("node_shuffle", "never")
     return StreamingDataset(url, storage_options=opts, seed=3, cache=H.cache_config(tmp_path, ram="8MB"), **kw)
 
 

@@ -130,27 +130,34 @@ N = 2400
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("node_shuffle", ["auto", "never"])
+@pytest.mark.parametrize("node_shuffle", ["auto", "parts", "never"])
 def test_warm_epoch_is_node_mixed_through_workers(sorted_url: str, cache: NodeCache, node_shuffle: str) -> None:
-    """Epoch 0 (cold) reads through the sliding window; epoch 1, its share cached, as one node mix:
-    random-like batches through 2 DataLoader workers, every sample once in each epoch."""
+    """Epoch 0 (cold) reads as a part mix with "parts" (parts of many shards at once, each block
+    fetched once, every shard cached whole by the end), through the sliding window with "auto" and
+    "never"; epoch 1, its share cached, as one node mix but with "never": random-like batches
+    through 2 DataLoader workers, every sample once in each epoch."""
     from datacache import DataLoader
 
     ds = StreamingDataset(sorted_url, cache=cache, seed=5, node_shuffle=node_shuffle)
     loader = DataLoader(ds, batch_size=32, num_workers=2)
-    q = []
+    q, stats = [], []
     for epoch in (0, 1):
         ds.set_epoch(epoch)
         batches = [b["i"].numpy() for b in loader]
         ids = np.concatenate(batches)
         assert sorted(ids.tolist()) == list(range(N)), f"epoch {epoch}: not every sample once"
         q.append(quality(batches, N))
+        stats.append(cache.stats())
+    total = ds.manifest.total_bytes
     ds.close()
-    assert q[0] < 0.6
-    if node_shuffle == "auto":
-        assert q[1] >= 0.9, q
+    assert stats[0]["remote_bytes"] == total and stats[1]["remote_bytes"] == total  # every shard once
+    if node_shuffle == "parts":
+        assert q[0] >= 0.8, q
+        assert total <= stats[0]["partial_bytes"] <= 1.05 * total  # ranged reads: each block once
     else:
-        assert q[1] < 0.6, q
+        assert q[0] < 0.6, q
+        assert stats[0]["partial_bytes"] == 0
+    assert (q[1] < 0.6) if node_shuffle == "never" else (q[1] >= 0.9), q
 
 
 def test_node_shuffle_is_checked(sorted_url: str, cache: NodeCache) -> None:
@@ -235,11 +242,12 @@ def test_the_mixed_share_is_what_the_consumers_read() -> None:
 
 @pytest.mark.timeout(180)
 def test_epoch_zero_mixes_when_the_share_is_cached_already(sorted_url: str, cache: NodeCache) -> None:
-    """"auto" in epoch 0: the window on an empty cache; a node mix once the share is cached (here
-    by another seed's epoch, as ``datacache warm`` would), decided once: the same dataset and seed
-    read again keep the decision their first epoch 0 took."""
+    """"parts" ("auto" likewise, but with the window) in epoch 0: a part mix on an empty cache (read part by part, ``datacache._partmix``);
+    a node mix once the share is cached (here by another seed's epoch, as ``datacache warm``
+    would), decided once: the same dataset and seed read again keep the decision their first
+    epoch 0 took."""
     def epoch0(seed: int) -> list[int]:
-        ds = StreamingDataset(sorted_url, cache=cache, seed=seed)
+        ds = StreamingDataset(sorted_url, cache=cache, seed=seed, node_shuffle="parts")
         ds.set_epoch(0)
         ids = _ids(ds)
         ds.close()
@@ -248,8 +256,9 @@ def test_epoch_zero_mixes_when_the_share_is_cached_already(sorted_url: str, cach
     def q(ids: list[int]) -> float:
         return quality([np.array(ids[i:i + 32]) for i in range(0, N, 32)], N)
 
-    cold = epoch0(1)  # an empty cache: through the window, and it fills the cache
-    assert q(cold) < 0.6 and sorted(cold) == list(range(N))
+    cold = epoch0(1)  # an empty cache: a part mix, and it fills the cache
+    assert q(cold) >= 0.8 and sorted(cold) == list(range(N)) and cache.stats()["partial_bytes"] > 0
+    parts = cache.stats()["partial_bytes"]
     warm = epoch0(2)  # another seed's epoch 0, every shard cached: mixed
-    assert q(warm) >= 0.9 and sorted(warm) == list(range(N))
-    assert epoch0(1) == cold  # seed 1's epoch 0 was decided (windowed): read again, the same order
+    assert q(warm) >= 0.9 and sorted(warm) == list(range(N)) and cache.stats()["partial_bytes"] == parts
+    assert epoch0(1) == cold  # seed 1's epoch 0 was decided (a part mix): read again, the same order

@@ -28,6 +28,7 @@ from hypothesis.extra import numpy as hnp
 import readers
 from readers import ReaderError, codec
 from readers import zstd as rzstd
+from readers._dczindex import HEAD
 from tests.helpers.crafted import bomb_frame, craft_dcz
 
 FORMAT_NAMES = sorted(readers.FORMATS)
@@ -489,7 +490,7 @@ def test_zstd_crafted_index_is_rejected(case: str, tmp_path: Any) -> None:
     if case == "block_past_file":  # point the block beyond the data region
         data = bytearray(open(path, "rb").read())
         io_off = struct.unpack_from("<Q", data, len(data) - 32)[0]
-        head = rzstd._HEAD.size + len(b'{"x":"bytes"}')
+        head = HEAD.size + len(b'{"x":"bytes"}')
         struct.pack_into("<Q", data, io_off + head, 10**9)  # block file offset
         index = bytes(data[io_off:len(data) - 32])
         data[-32:] = rzstd._encode_footer(io_off, index, 1)

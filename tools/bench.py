@@ -104,8 +104,9 @@ SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 # "tuned": a peer's one documented speed setting; "match-*": tuned through its documented shuffle
 # knobs to about the named system's shuffle quality (tools/bench_systems.py), run in MATCHED only;
 # "dropin": datacache through a plain torch DataLoader over samples, run in DROPIN only; "torch":
-# datacache's batched mode through a plain torch DataLoader (batch_size=None), run in TORCH only
-VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata"),
+# datacache's batched mode through a plain torch DataLoader (batch_size=None), run in TORCH only;
+# "parts": datacache with node_shuffle="parts" (its cold epoch a part mix), run in MATCHED only
+VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "parts"),
             "streaming": ("default", "tuned", "match-datacache"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
 MATCHED = ("cold", "warm", "shuffle")
@@ -194,7 +195,7 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
 def runs_in(variant: str, scenario_name: str) -> bool:
     """Whether a variant runs in a scenario: match-* in MATCHED, dropin in DROPIN, torch in TORCH, the
     mix default only."""
-    if variant.startswith("match-"):
+    if variant.startswith("match-") or variant == "parts":
         return scenario_name in MATCHED
     if variant == "dropin":
         return scenario_name in DROPIN

@@ -111,7 +111,8 @@ def epoch_json(spec: dict[str, Any]) -> dict[str, Any]:
 
     ds = StreamingDataset(spec["url"], storage_options=spec.get("opts"), cache=CacheConfig(**spec["cache"]),
                           transfer=TransferConfig(**spec["transfer"]) if spec.get("transfer") else None,
-                          prefetch=PrefetchConfig(**spec["prefetch"]) if spec.get("prefetch") else None)
+                          prefetch=PrefetchConfig(**spec["prefetch"]) if spec.get("prefetch") else None,
+                          node_shuffle=spec.get("node_shuffle", "auto"))
     try:
         ids, bad = check(ds, spec["size"])
         return {"ids": ids, "bad": bad, "stats": ds.stats(), "reconciled": ds.cache.reconciled}

@@ -1,0 +1,126 @@
+"""The cold part mix: a node's cold epoch read from many shards at once, a part of each at a time.
+Pure functions.
+
+The sliding window (``datacache.plan``, step 4) lets a cold epoch start after one shard, but every
+batch then comes from the few shards a consumer has open, and on data written in class order
+from a few classes. The node mix (``datacache._nodemix``) draws every batch from the whole share,
+but needs the share local. The part mix is the cold epoch's answer: the node's part of the epoch
+order is cut into *parts* of ``part_rows`` consecutive samples of a shard (about ``part_bytes``),
+the parts are permuted, and the node reads that stream of parts in order, each part by a ranged
+read into the shard's partial copy (``datacache._partial``: each block fetched once per node,
+the copy cached whole once its last block is in). The node's samples are then ordered in *node
+time* by a sliding-window shuffle over the stream: the samples of part ``m`` get the keys
+``m + U[0, 1) * min(window, M - m + 1)`` (``M`` parts), so each batch draws from about
+``window / 2`` parts, of as many shards, downloaded and not yet used, and the last parts spread
+over ever fewer steps, so little is left to read once the last byte is in.
+
+Node time: the node's consumers read in lockstep, its ranks side by side, and a rank's
+DataLoader takes its workers' batches in turn. So batch ``k`` of worker ``w`` of a rank comes at
+rank step ``k * num_workers + w``, and position ``j`` of that batch at node slot
+``((k * num_workers + w) * batch_size + j) * node_ranks + rank``. The node's sample order is
+dealt to the slots in slot order: each consumer's positions (its contiguous share of whole
+batches, as every plan has) get the samples of their slots, so every consumer's batch draws from
+the node's pool of the moment and every sample is read once.
+
+When: an epoch that is not a node mix but whose node share would be one (it fits ``mix_bytes``,
+so it is cached whole after this epoch), with ``part_bytes > 0`` (the dataset sets it where its
+format can be read part by part: ``readers.base.ShardLayout``), on one node (``plan._mix_block``).
+Node-sticky plans over several nodes keep the window for now: a node's part holds pieces of
+shards another node owns (``_nodeorder``'s transfers), whose partial copies would never complete
+there, and a run of the ``nodes`` test read 1.34 x its predicted bytes in epoch 0. Thread-safe: no state; results
+memoized per process (``_nodeorder.memo``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._nodeorder import memo, readonly
+from ._pieces import Pieces
+
+__all__ = ["PART_BYTES", "PART_WINDOW", "part_mixes", "part_rows", "part_chunk", "part_piece"]
+
+PART_BYTES = 1 << 20  # a part's bytes: a dcz block's, by default
+PART_WINDOW = 128  # parts of the node's sliding window: a batch draws from about half as many
+
+
+def part_mixes(*, shuffle: bool, part_bytes: int, mix_bytes: int, mix_from: int, epoch: int, composed: bool,
+               spread_nodes: bool, share_bytes: int) -> bool:
+    """Whether an epoch is read as a part mix (see the module docstring; the arguments as for
+    ``_nodemix.node_mixes``, and ``part_bytes`` from ``PlanSpec``)."""
+    return (shuffle and part_bytes > 0 and mix_bytes > 0 and epoch < mix_from and not composed
+            and not spread_nodes and share_bytes <= mix_bytes)
+
+
+def part_rows(part_bytes: int, shard_bytes: np.ndarray | None, counts: np.ndarray) -> int:
+    """Samples per part: ``part_bytes`` over the dataset's mean sample size (at least 1)."""
+    total = int(np.sum(counts))
+    if shard_bytes is None or total == 0:
+        return max(1, int(part_bytes))
+    return max(1, int(round(part_bytes / max(1.0, float(np.sum(shard_bytes)) / total))))
+
+
+def part_chunk(batch_size: int, chunk_samples: int) -> int:
+    """A part-mixed consumer's read granule in positions: four batches (64 samples at least), within
+    the node mix's chunk (``chunk_samples``). Each chunk reads its rows of every shard it touches at
+    once, and waits for all of them: small enough to keep the lag short, large enough that a shard
+    is opened once for several of its rows."""
+    return max(1, min(chunk_samples, max(64, 4 * batch_size)))
+
+
+def part_piece(block: Pieces, offsets: np.ndarray, lo: int, hi: int, *, rows: int, window: int, seed: int,
+               epoch: int, node: int, node_ranks: int, per: int, bounds: np.ndarray, batch_size: int) -> np.ndarray:
+    """The samples (global ids) of node positions ``lo .. hi - 1`` (rank-major: rank ``r``'s
+    positions are ``r * per ..``; ``bounds``: where each worker's share of a rank starts, plus the
+    end) under the part mix of ``block``, the node's part of the epoch order."""
+    key = ("partmix", rows, window, seed, epoch, node, node_ranks, per, batch_size,
+           tuple(bounds.tolist()), block.shard.tobytes(), block.lo.tobytes(), block.hi.tobytes())
+    dealt = memo(key, lambda: readonly(_deal(block, offsets, rows=rows, window=window, seed=seed, epoch=epoch,
+                                             node=node, node_ranks=node_ranks, per=per, bounds=bounds,
+                                             batch_size=batch_size)))
+    return dealt[lo:hi]
+
+
+def _deal(block: Pieces, offsets: np.ndarray, *, rows: int, window: int, seed: int, epoch: int, node: int,
+          node_ranks: int, per: int, bounds: np.ndarray, batch_size: int) -> np.ndarray:
+    order = _node_order(block, offsets, rows=rows, window=window, seed=seed, epoch=epoch, node=node)
+    slot = _slots(node_ranks, per, bounds, batch_size)
+    rank_of_slot = np.empty(len(slot), dtype=np.int64)
+    rank_of_slot[np.argsort(slot, kind="stable")] = np.arange(len(slot), dtype=np.int64)
+    return order[rank_of_slot]
+
+
+def _parts(block: Pieces, rows: int) -> Pieces:
+    """``block``'s pieces cut at the shard-local multiples of ``rows``."""
+    shard, lo, hi = [], [], []
+    for s, a, b in zip(block.shard.tolist(), block.lo.tolist(), block.hi.tolist()):
+        cuts = [a] + list(range((a // rows + 1) * rows, b, rows)) + [b]
+        shard += [s] * (len(cuts) - 1)
+        lo += cuts[:-1]
+        hi += cuts[1:]
+    return Pieces(np.asarray(shard, dtype=np.int64), np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64))
+
+
+def _node_order(block: Pieces, offsets: np.ndarray, *, rows: int, window: int, seed: int, epoch: int,
+                node: int) -> np.ndarray:
+    """The node's samples in node time: the parts permuted, then the sliding-window keys."""
+    parts = _parts(block, rows)
+    rng = np.random.default_rng([seed, epoch, 3, node])
+    parts = parts.take(rng.permutation(len(parts.shard)))
+    samples = parts.samples(offsets)
+    sizes = parts.hi - parts.lo
+    m = len(sizes)
+    part_of = np.repeat(np.arange(m, dtype=np.int64), sizes)
+    spread = np.minimum(float(window), (m - part_of + 1).astype(np.float64))
+    keys = part_of + rng.random(len(samples)) * spread
+    return samples[np.argsort(keys, kind="stable")]
+
+
+def _slots(node_ranks: int, per: int, bounds: np.ndarray, batch_size: int) -> np.ndarray:
+    """Each node position's slot in node time (see the module docstring); distinct values."""
+    q = np.arange(node_ranks * per, dtype=np.int64)
+    rank, p = q // per, q % per
+    workers = len(bounds) - 1
+    w = np.searchsorted(bounds, p, side="right") - 1
+    off = p - bounds[w]
+    k, j = off // batch_size, off % batch_size
+    return (((k * workers + w) * batch_size + j) * node_ranks + rank).astype(np.int64)

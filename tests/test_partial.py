@@ -1,0 +1,205 @@
+"""Partial copies (``datacache._partial`` through ``ShardSource.load_rows``): a shard filled block by
+block by the node's processes, readable before it is whole, verified and cached once it is.
+
+Real S3 server, real processes (forked), bytes counted by each process's store. Multi-process
+tests wait on events and carry a timeout mark: a deadlock fails instead of hanging.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from datacache import CacheConfig, IntegrityError
+from datacache._partial import PartialShard
+from datacache.shards import PartHandle, ShardSource
+from tests.helpers import faults as H
+
+SIZE, N, SHARD = 1000, 300, 100_000  # about 100 samples per shard, 4 samples a block
+WRITER = {"block_bytes": 4 * 1024}
+
+
+@pytest.fixture
+def blocky(s3_server: Any, make_s3_url: Any) -> tuple[str, dict[str, Any]]:
+    """A dataset whose shards hold about 25 blocks each (so parts of a shard are a few blocks)."""
+    url, opts = make_s3_url(), s3_server.storage_options()
+    H.write(url, opts, N, SIZE, shard_bytes=SHARD, writer_options=WRITER)
+    return url, opts
+
+
+def _source(url: str, opts: dict[str, Any], root: str) -> ShardSource:
+    cfg = CacheConfig(ram_bytes=0, ssd_bytes="64MB", ram_dir=os.path.join(root, "ram"),
+                      ssd_dir=os.path.join(root, "ssd"))
+    return ShardSource.open(url, storage_options=opts, cache=cfg)
+
+
+def _check(src: ShardSource, shard: int, handle: Any, lo: int, hi: int) -> None:
+    first = src.manifest.offsets[shard]
+    got = src.read_rows(shard, handle, range(lo, hi))
+    assert sorted(got) == list(range(lo, hi))
+    for r, s in got.items():
+        assert int(s["i"]) == first + r and bytes(s["data"]) == H.payload(first + r, SIZE)
+
+
+def _read(src: ShardSource) -> int:
+    return int(src.store.stats()["bytes_read"])
+
+
+def test_a_partial_copy_serves_samples_before_it_is_whole_then_becomes_the_entry(blocky, tmp_path) -> None:
+    src = _source(*blocky, str(tmp_path))
+    try:
+        n, size = src.manifest.shards[0].samples, src.manifest.shards[0].bytes
+        handle = src.load_rows(0, range(8, 16))
+        assert isinstance(handle, PartHandle)
+        _check(src, 0, handle, 8, 16)
+        assert src.cache.contains(src.key(0)) is None  # nothing visible before the whole file passed
+        assert _read(src) < size / 2  # the tail (index) and two blocks, not the shard
+        parts = [(lo, min(lo + 8, n)) for lo in range(0, n, 8) if lo != 8]
+        for lo, hi in parts[:-1]:
+            _check(src, 0, src.load_rows(0, range(lo, hi)), lo, hi)
+        last = src.load_rows(0, range(*parts[-1]))
+        assert not isinstance(last, PartHandle)  # the last unit in: verified, now the entry
+        _check(src, 0, last, *parts[-1])
+        last.release()
+        assert src.cache.contains(src.key(0)) == "ssd"
+        stats = src.cache.stats()
+        assert stats["fetches"] == 1 and stats["remote_bytes"] == size
+        # every byte once, but for the part of the tail read that the index's first unit re-reads
+        assert size <= _read(src) <= size + WRITER["block_bytes"] * 2
+        locks = os.listdir(src.cache.lock_dir)  # the copy's state and unit locks went with it
+        assert not [f for f in locks if f.endswith(".part") or (".u" in f and not f.endswith(".u0.lock"))], locks
+        again = src.load_rows(0, range(0, 4))  # cached now: a hit, no transfer
+        assert not isinstance(again, PartHandle)
+        again.release()
+    finally:
+        src.close()
+
+
+def _child(url: str, opts: dict[str, Any], root: str, ranges: list[tuple[int, int]], go: Any,
+           out: Any) -> None:
+    src = _source(url, opts, root)
+    try:
+        go.wait(60)
+        for lo, hi in ranges:
+            handle = src.load_rows(0, range(lo, hi))
+            _check(src, 0, handle, lo, hi)
+            handle.release()
+        out.put(("ok", _read(src)))
+    except BaseException as exc:  # reported to the test, with its type
+        out.put(("error", repr(exc)))
+    finally:
+        src.close()
+
+
+@pytest.mark.timeout(120)
+def test_processes_fill_one_copy_fetching_each_block_once(blocky, tmp_path) -> None:
+    url, opts = blocky
+    root = str(tmp_path)
+    probe = _source(url, opts, root)
+    n, size = probe.manifest.shards[0].samples, probe.manifest.shards[0].bytes
+    probe.close()
+    ctx = mp.get_context("fork")
+    go, out = ctx.Event(), ctx.Queue()
+    # overlapping orders: every block is wanted by two processes, and each reads all of its samples
+    plans = [[(lo, min(lo + 6, n)) for lo in range(0, n, 6)],
+             [(lo, min(lo + 5, n)) for lo in reversed(range(0, n, 5))],
+             [(lo, min(lo + 7, n)) for lo in range(3, n, 7)]]
+    procs = [ctx.Process(target=_child, args=(url, opts, root, p, go, out)) for p in plans]
+    for p in procs:
+        p.start()
+    go.set()
+    results = [out.get(timeout=100) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert [r[0] for r in results] == ["ok"] * 3, results
+    total = sum(r[1] for r in results)
+    # one download per block per node
+    assert size <= total <= size + WRITER["block_bytes"] * 2, (total, size)
+    src = _source(url, opts, root)
+    try:
+        assert src.cache.contains(src.key(0)) == "ssd"
+        assert src.cache.stats()["fetches"] == 1
+    finally:
+        src.close()
+
+
+def _stuck_child(url: str, opts: dict[str, Any], root: str, filled: Any) -> None:
+    src = _source(url, opts, root)
+    info = src.manifest.shards[0]
+    partial = PartialShard(src.cache, src.key(0), size=info.bytes, digest=info.hash, samples=info.samples,
+                           layout_of=src.fmt.layout, name=src.url(0))
+    calls = []
+
+    def fetch(start: int, end: int) -> bytes:
+        calls.append(start)
+        if len(calls) > 4:  # the fixed ranges and two parts are in: hold the next unit's lock forever
+            filled.set()
+            signal.pause()
+        return src.store.read_range(info.name, start, end)
+    partial.ensure(list(range(0, 8)), fetch)
+    partial.ensure(list(range(8, 16)), fetch)
+    partial.ensure(list(range(16, 24)), fetch)
+
+
+@pytest.mark.timeout(120)
+def test_a_fetcher_killed_mid_fill_leaves_no_entry_and_the_next_one_continues(blocky, tmp_path) -> None:
+    url, opts = blocky
+    root = str(tmp_path)
+    ctx = mp.get_context("fork")
+    filled = ctx.Event()
+    child = ctx.Process(target=_stuck_child, args=(url, opts, root, filled))
+    child.start()
+    assert filled.wait(60)
+    src = _source(url, opts, root)  # joins the node while the child lives: no reconciliation after it
+    os.kill(child.pid, signal.SIGKILL)  # dies holding a unit's lock, mid-fill
+    child.join(30)
+    try:
+        n, size = src.manifest.shards[0].samples, src.manifest.shards[0].bytes
+        assert src.cache.contains(src.key(0)) is None
+        for lo in range(0, n, 10):
+            handle = src.load_rows(0, range(lo, min(lo + 10, n)))
+            _check(src, 0, handle, lo, min(lo + 10, n))
+            handle.release()
+        assert src.cache.contains(src.key(0)) == "ssd"
+        assert _read(src) < size  # the units the dead process had filled were not fetched again
+    finally:
+        src.close()
+
+
+def test_a_copy_that_fails_the_hash_is_dropped_and_never_cached(blocky, tmp_path) -> None:
+    src = _source(*blocky, str(tmp_path))
+    try:
+        info = src.manifest.shards[0]
+        partial = PartialShard(src.cache, src.key(0), size=info.bytes, digest="0" * 32, samples=info.samples,
+                               layout_of=src.fmt.layout, name=src.url(0))
+
+        def fetch(start: int, end: int) -> bytes:
+            return src.store.read_range(info.name, start, end)
+        assert partial.ensure(list(range(8)), fetch) is False
+        with pytest.raises(IntegrityError, match="content hash"):
+            partial.ensure(list(range(info.samples)), fetch)
+        partial.close()
+        assert src.cache.contains(src.key(0)) is None
+        leftovers = [f for d, _, fs in os.walk(str(tmp_path)) for f in fs if f.endswith(".part")]
+        assert leftovers == []
+        handle = src.load_rows(0, range(0, 8))  # a new copy starts over, and this one is whole and right
+        _check(src, 0, handle, 0, 8)
+    finally:
+        src.close()
+
+
+def test_a_format_without_a_layout_is_fetched_whole(s3_server, make_s3_url, tmp_path) -> None:
+    url, opts = make_s3_url(), s3_server.storage_options()
+    H.write(url, opts, 40, SIZE, shard_bytes=10_000, format="parquet")
+    src = _source(url, opts, str(tmp_path))
+    try:
+        handle = src.load_rows(1, range(2, 5))
+        assert not isinstance(handle, PartHandle)
+        assert src.cache.contains(src.key(1)) == "ssd"
+        _check(src, 1, handle, 2, 5)
+        handle.release()
+    finally:
+        src.close()
