@@ -156,8 +156,7 @@ class PartialShard:
 
     def _fetch_fixed(self, fd: int, fetch: Fetch) -> tuple[ShardLayout, bytes]:
         """Fetch the file's tail (one read, where the index fits in it), parse the layout, then fetch
-        the fixed ranges not yet in (with the first unit where it follows them); all written to
-        ``fd``. Returns the layout and the units' initial state (those wholly in already: 1)."""
+        the fixed ranges not yet in; all written to ``fd``. Returns the layout and the units' initial state (those wholly in already: 1)."""
         tail_start = max(0, self.size - _TAIL_BYTES)
         tail = fetch(tail_start, self.size)
         self._write(fd, tail, tail_start)
@@ -180,9 +179,7 @@ class PartialShard:
                     todo[-1][1] = b
                 else:
                     todo.append([a, b])
-        for a, b in todo:
-            if layout.spans and layout.spans[0][0] == b:  # one read for the header and the first unit
-                b = max(b, min(layout.spans[0][1], tail_start))
+        for a, b in todo:  # not with the first unit: the sample a read wants is in another, most often
             read(a, b)
         merged: list[list[int]] = []
         for x, y in sorted(written):

@@ -10,9 +10,12 @@ the parts are permuted, and the node reads that stream of parts in order, each p
 read into the shard's partial copy (``datacache._partial``: each block fetched once per node,
 the copy cached whole once its last block is in). The node's samples are then ordered in *node
 time* by a sliding-window shuffle over the stream: the samples of part ``m`` get the keys
-``m + U[0, 1) * min(window, M - m + 1)`` (``M`` parts), so each batch draws from about
-``window / 2`` parts, of as many shards, downloaded and not yet used, and the last parts spread
-over ever fewer steps, so little is left to read once the last byte is in.
+``m + U[0, 1) * min(window, 2 + 8 m, M - m + 1)`` (``M`` parts), so each batch draws from about
+``window / 2`` parts, of as many shards, downloaded and not yet used; the first parts spread over
+few steps, so the first batch waits for a few parts (the window is whole from the 16th part on),
+and the last ones over ever fewer, so little is left to read once the last byte is in; but 0.4
+of the samples of the last 64 parts are read after all the others, in a uniform order, so the
+epoch's last batches draw from 64 parts too (about 400 samples left after the last byte).
 
 Node time: the node's consumers read in lockstep, its ranks side by side, and a rank's
 DataLoader takes its workers' batches in turn. So batch ``k`` of worker ``w`` of a rank comes at
@@ -41,6 +44,8 @@ __all__ = ["PART_BYTES", "PART_WINDOW", "part_mixes", "part_rows", "part_chunk",
 
 PART_BYTES = 1 << 20  # a part's bytes: a dcz block's, by default
 PART_WINDOW = 128  # parts of the node's sliding window: a batch draws from about half as many
+_END_PARTS, _END_SHARE = 64, 0.4  # the epoch's end: 0.4 of the last 64 parts' samples, read last together
+_RAMP0, _RAMP = 2, 8  # the window of the epoch's first parts: part m spreads over 2 + 8 m (the first batch waits for few)
 
 
 def part_mixes(*, shuffle: bool, part_bytes: int, mix_bytes: int, mix_from: int, epoch: int, composed: bool,
@@ -110,8 +115,12 @@ def _node_order(block: Pieces, offsets: np.ndarray, *, rows: int, window: int, s
     sizes = parts.hi - parts.lo
     m = len(sizes)
     part_of = np.repeat(np.arange(m, dtype=np.int64), sizes)
-    spread = np.minimum(float(window), (m - part_of + 1).astype(np.float64))
+    spread = np.minimum(np.minimum(float(window), _RAMP0 + _RAMP * part_of), m - part_of + 1).astype(np.float64)
     keys = part_of + rng.random(len(samples)) * spread
+    # The end: a share of the last parts' samples is read last, together, so the epoch's last
+    # batches draw from as many parts as the others (the window alone tapers to a few).
+    last = (part_of >= m - _END_PARTS) & (rng.random(len(samples)) < _END_SHARE)
+    keys[last] = m + rng.random(int(last.sum()))
     return samples[np.argsort(keys, kind="stable")]
 
 

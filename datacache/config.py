@@ -80,6 +80,10 @@ class TransferConfig:
     Every process of the node also shares one congestion window per store prefix (at most
     ``datacache.congestion.MAX_WINDOW`` requests in flight, halved on each throttling answer).
 
+    ``range_requests``: the same cap for the small ranged reads of partial copies (a block of a
+    shard at a time: ``ShardSource.load_rows``), in flight beside them: a 1 MB read needs more in
+    flight than an 8 MB part to keep the link busy past its latency.
+
     ``max_requests_per_s``: optional budget of requests per second to this store prefix for the
     whole node, kept by every process of the node together (a token bucket in the cache's control
     directory); set it below the store's limit divided by the number of nodes reading the prefix.
@@ -88,13 +92,14 @@ class TransferConfig:
     part_bytes: int = 8 << 20
     concurrency: int = 8
     max_requests: int = 2
+    range_requests: int = 8
     timeout: float = 60.0
     max_requests_per_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "part_bytes", parse_size(self.part_bytes))
-        if self.part_bytes <= 0 or self.concurrency <= 0 or self.max_requests <= 0:
-            raise ValueError("TransferConfig: part_bytes, concurrency and max_requests must be > 0")
+        if self.part_bytes <= 0 or self.concurrency <= 0 or self.max_requests <= 0 or self.range_requests <= 0:
+            raise ValueError("TransferConfig: part_bytes, concurrency, max_requests and range_requests must be > 0")
         if self.max_requests_per_s is not None and not self.max_requests_per_s > 0:
             raise ValueError(f"TransferConfig.max_requests_per_s must be > 0 or None, got {self.max_requests_per_s!r}")
 

@@ -122,6 +122,7 @@ class Store:
     def _init_state(self) -> None:
         self._lock = threading.Lock()
         self._requests = PrioritySlots(self.transfer.max_requests)
+        self._range_requests = PrioritySlots(self.transfer.range_requests)
         self._pid = os.getpid()
         self._fs: Any = None
         self._root = ""
@@ -221,16 +222,18 @@ class Store:
                 self._stats["retries"] += 1
 
     def _call(self, op: str, name: str, fn: Callable[[Any, str], Any], *, started: float | None = None,
-              cancelled: Callable[[], bool] | None = None, priority: float | None = None) -> Any:
+              cancelled: Callable[[], bool] | None = None, priority: float | None = None,
+              slots: PrioritySlots | None = None) -> Any:
         """Run ``fn(fs, path)`` under the retry policy; errors are translated here. Each attempt
         is one request: a request slot of this process (with a ``priority``: ranged GETs, in plan
-        order), then a place in the node's congestion window, which learns its outcome."""
+        order; ``slots``: another pool of them), then a place in the node's congestion window,
+        which learns its outcome."""
         fs, _ = self._ensure()
         path = self._root + name
         started = time.monotonic() if started is None else started
 
         def attempt() -> Any:
-            with self._requests.hold(priority) if priority is not None else nullcontext(), \
+            with (slots or self._requests).hold(priority) if priority is not None else nullcontext(), \
                     self.congestion.request(started + self.retry.deadline, cancelled):
                 return fn(fs, path)
         return retry_call(attempt, self.retry, url=self.url_of(name), op=op,
@@ -281,7 +284,8 @@ class Store:
             raise ValueError(f"bad range [{start}, {end})")
         if start == end:
             return b""
-        return self._read_part(name, start, end, None, time.monotonic(), cancelled, priority)
+        return self._read_part(name, start, end, None, time.monotonic(), cancelled, priority,
+                               slots=self._range_requests)
 
     def read_bytes(self, name: str, *, size: int | None = None) -> bytes:
         """The whole object, by parallel ranged GETs. Pass ``size`` (known from a manifest) to skip
@@ -378,7 +382,8 @@ class Store:
 
     # -- ranged reads -----------------------------------------------------------------------
     def _read_part(self, name: str, start: int, end: int, total: int | None, started: float,
-                   cancelled: Callable[[], bool] | None, priority: float = 0.0) -> bytes:
+                   cancelled: Callable[[], bool] | None, priority: float = 0.0,
+                   slots: PrioritySlots | None = None) -> bytes:
         """GET ``[start, end)``; for the last part of an object of expected size ``total`` one extra
         byte is asked for, so an object that grew is detected."""
         want = end - start
@@ -404,7 +409,7 @@ class Store:
             return data
 
         # the part needed soonest gets a request slot first
-        data = self._call("read", name, get, started=started, cancelled=cancelled, priority=priority)
+        data = self._call("read", name, get, started=started, cancelled=cancelled, priority=priority, slots=slots)
         self._bump("bytes_read", len(data))
         return data
 
