@@ -88,12 +88,14 @@ class ResumeMixin:
 
     def head_start(self, num_workers: int) -> HeadStart | None:
         """Fetch, from this (the training) process, the first shards of ``num_workers`` DataLoader
-        workers that have just begun the epoch (``datacache._headstart``); ``None`` when a resume
-        is pending (the workers start mid-plan), the epoch is a node mix, or there is nothing to read."""
+        workers that have just begun the epoch (``datacache._headstart``), or a part-mixed epoch's
+        first chunks' rows; ``None`` when a resume is pending (the workers start mid-plan), the
+        epoch is a node mix, or there is nothing to read."""
         if self._pending() is not None:
             return None
-        if self._mix is None and mixed_share(self.counts, self._spec(num_workers, 0)) is not None:
-            return None  # a node mix reads from every shard of the share at once: no first shards to get
+        spec0 = self._spec(num_workers, 0)
+        if self._mix is None and mixed_share(self.counts, spec0) is not None:
+            return self._part_head_start(num_workers) if spec0.part_bytes > 0 else None
         runs = []
         for w in range(num_workers):
             plan, _ = self._worker_plan(num_workers, w, None, self.epoch, shards_only=True)
@@ -102,6 +104,26 @@ class ResumeMixin:
         if not runs:
             return None
         return HeadStart(self.source, [(shard, t) for _, _, shard, t in sorted(runs)],
+                         name=f"datacache-headstart-r{self.dp_rank}")
+
+    def _part_head_start(self, num_workers: int) -> HeadStart | None:
+        """The head start of a part-mixed epoch: the runs of each worker's first ``RUNS_PER_WORKER``
+        chunks (a chunk: one run per shard it touches), chunk by chunk across the workers, on as
+        many threads as the store has ranged reads in flight."""
+        runs = []
+        for w in range(num_workers):
+            plan, _ = self._worker_plan(num_workers, w, None, self.epoch, shards_only=True)
+            if not plan.parts or plan.rows is None:
+                return None
+            firsts = sorted(set(plan.run_starts.tolist()))[:RUNS_PER_WORKER]
+            times = plan.run_times(self.epoch)
+            runs += [(firsts.index(a), w, k, plan.runs[k][0], times[k], plan.rows[k].tolist())
+                     for k, a in enumerate(plan.run_starts.tolist()) if a in firsts]
+        if not runs:
+            return None
+        runs.sort(key=lambda r: r[:3])
+        return HeadStart(self.source, [(r[3], r[4]) for r in runs], rows=[r[5] for r in runs],
+                         threads=self.source.store.transfer.range_requests,
                          name=f"datacache-headstart-r{self.dp_rank}")
 
     def _pending(self) -> ResumeState | None:

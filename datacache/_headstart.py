@@ -19,12 +19,17 @@ A shard the cache does not admit (served privately, "pass") ends it too: the wor
 download it again. ``close()`` abandons a download in flight at once (``cancelled``) and is idempotent.
 The workers themselves get one another's first shards in the same order (``fetch_ahead``, the
 ``Consumer``'s lead): with or without a head start, those arrive one after another.
-Thread-safe: the thread is the object's only user besides ``close()``.
+A part-mixed cold epoch (``datacache._partmix``) has no first shards: each worker's first
+chunks read a few blocks of many shards. Its head start loads those runs' rows into the shards'
+partial copies (``ShardSource.load_rows``: each block fetched once per node, across processes)
+on a few threads, since a block is a small read that one thread would leave the link idle behind
+(``_dsresume.head_start``). Thread-safe: its threads are the object's only users besides ``close()``.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,13 +41,15 @@ RUNS_PER_WORKER = 2  # the first two runs: a worker's first step needs its first
 
 
 def fetch_ahead(source: Any, shard: int, *, priority: float, use_at: float, cancelled: Callable[[], bool],
-                who: str) -> bool:
+                who: str, rows: list[int] | None = None) -> bool:
     """Get ``shard`` into the node cache through ``source`` (a ``ShardSource``) for a consumer that
-    will ask for it soon, and release it; a cached shard costs a lookup. ``priority``, ``use_at``,
-    ``cancelled``: as for ``ShardSource.fetch``; ``who``: names the caller in debug logs. Whether
-    fetching ahead may go on: False once no tier has free room for the shard (the consumers have
-    not yet told the cache this epoch's plan, and an eviction decided now could throw out a shard
-    the epoch still needs), when the cache did not admit it (served privately, "pass": its consumer
+    will ask for it soon, and release it; a cached shard costs a lookup. ``rows``: only the units
+    holding those shard-local rows, into the shard's partial copy (``ShardSource.load_rows``: a part
+    mix's run). ``priority``, ``use_at``, ``cancelled``: as for ``ShardSource.fetch``; ``who``: names
+    the caller in debug logs. Whether fetching ahead may go on: False once no tier has free room
+    for the shard (the consumers have not yet told the cache this epoch's plan, and an eviction
+    decided now could throw out a shard the epoch still needs; a partial copy takes the whole
+    shard's room too), when the cache did not admit it (served privately, "pass": its consumer
     would download it again), or when the fetch failed (its consumer's own fetch raises the error
     where the training loop sees it). Thread-safe."""
     cache = source.cache
@@ -52,11 +59,14 @@ def fetch_ahead(source: Any, shard: int, *, priority: float, use_at: float, canc
         log.debug("%s: no free room for shard %d; stopping", who, shard)
         return False
     try:
-        handle = source.fetch(shard, priority=priority, use_at=use_at, cancelled=cancelled)
+        if rows is None:
+            handle = source.fetch(shard, priority=priority, use_at=use_at, cancelled=cancelled)
+        else:
+            handle = source.load_rows(shard, rows, priority=priority, use_at=use_at, cancelled=cancelled)
     except Exception as exc:  # noqa: BLE001 - the consumer's own fetch raises it to the training loop
         log.debug("%s: shard %d not fetched (%s); its consumer will", who, shard, exc)
         return False
-    tier = handle.tier
+    tier = getattr(handle, "tier", None)  # a PartHandle (rows in the partial copy) has none
     handle.release()
     if tier == "pass":
         log.debug("%s: shard %d not admitted to the cache; stopping", who, shard)
@@ -66,34 +76,65 @@ def fetch_ahead(source: Any, shard: int, *, priority: float, use_at: float, canc
 
 class HeadStart:
     """Fetch ``shards`` ((shard, next-use time) in reading order) into the node cache through
-    ``source`` (a ``ShardSource``) on a thread named ``name``; see the module docstring."""
+    ``source`` (a ``ShardSource``) on ``threads`` threads named ``name``-k (taking the shards in
+    order); see the module docstring. ``rows``: where given, the shard-local rows of each entry of
+    ``shards`` to load into its partial copy (a part mix's first runs, ``fetch_ahead``) instead of
+    the whole shard; the source's partial-copy handles are dropped when the threads are done."""
 
-    def __init__(self, source: Any, shards: Sequence[tuple[int, float]], *, name: str) -> None:
+    def __init__(self, source: Any, shards: Sequence[tuple[int, float]], *, name: str,
+                 rows: Sequence[list[int]] | None = None, threads: int = 1) -> None:
         self._source, self._shards = source, list(shards)
+        self._rows = None if rows is None else list(rows)
+        if self._rows is not None and len(self._rows) != len(self._shards):
+            raise ValueError(f"HeadStart: {len(self._rows)} row lists for {len(self._shards)} shards")
         self.shards = [shard for shard, _ in self._shards]  # what it fetches, in order (read-only)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._stop = threading.Event()  # close(): cancel the downloads in flight
+        self._ended = threading.Event()  # one may not go on: take no further shard
+        self._lock = threading.Lock()  # guards the two counters below; no I/O under it
+        self._next, self._running = 0, max(1, int(threads))
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{k}" if threads > 1 else name, daemon=True)
+                         for k in range(self._running)]
+        for t in self._threads:
+            t.start()
+
+    def _take(self) -> int | None:
+        with self._lock:
+            if self._next >= len(self._shards) or self._ended.is_set() or self._stop.is_set():
+                return None
+            self._next += 1
+            return self._next - 1
 
     def _run(self) -> None:
-        for position, (shard, use_at) in enumerate(self._shards):
-            if self._stop.is_set() or not fetch_ahead(self._source, shard, priority=position, use_at=use_at,
-                                                      cancelled=self._stop.is_set, who="head start"):
-                return
+        try:
+            while (position := self._take()) is not None:
+                shard, use_at = self._shards[position]
+                rows = None if self._rows is None else self._rows[position]
+                if not fetch_ahead(self._source, shard, priority=position, use_at=use_at,
+                                   cancelled=self._stop.is_set, who="head start", rows=rows):
+                    self._ended.set()
+        finally:
+            with self._lock:
+                self._running -= 1
+                last = self._running == 0
+            if last and self._rows is not None:  # this process reads none of them: let the handles go
+                self._source.forget_parts()
 
     @property
     def done(self) -> bool:
         """Whether the thread has finished (every shard fetched, or stopped)."""
-        return not self._thread.is_alive()
+        return not any(t.is_alive() for t in self._threads)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait (at most ``timeout`` seconds) for the thread to finish; whether it has."""
-        self._thread.join(timeout)
+        """Wait (at most ``timeout`` seconds) for the threads to finish; whether they have."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self.done
 
     def close(self) -> None:
-        """Stop: abandon the download in flight and wait for the thread. Idempotent."""
+        """Stop: abandon the downloads in flight and wait for the threads. Idempotent."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
 

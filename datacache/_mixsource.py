@@ -27,7 +27,8 @@ __all__ = ["MixedSource", "MixManifest", "open_mixed", "open_source"]
 
 class MixManifest:
     """The virtual shard list as the consumer and the plan see a manifest. Immutable.
-    ``num_samples``: samples per epoch (the draws' sum)."""
+    ``num_samples``: samples per epoch (the draws' sum); ``unit_rows``: the streams' samples per
+    dcz block (``Manifest.unit_rows``) where they all agree, else 0."""
 
     def __init__(self, sources: Sequence[ShardSource], mix: MixPlan, dataset_id: str) -> None:
         self._sources, self._mix = sources, mix
@@ -37,6 +38,8 @@ class MixManifest:
         self.dataset_id = dataset_id
         self.num_samples = mix.epoch_size
         self.format = "mixed"
+        units = {s.manifest.unit_rows for s in sources}
+        self.unit_rows = units.pop() if len(units) == 1 else 0  # the streams' samples per block, where one
 
     def cache_key(self, shard: int) -> str:
         return self._sources[int(self._mix.stream_of[shard])].manifest.cache_key(int(self._mix.real_of[shard]))

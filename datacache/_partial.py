@@ -42,6 +42,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from readers.base import ShardLayout
 from readers.errors import ReaderError
@@ -56,6 +57,7 @@ LayoutOf = Callable[[Callable[[int, int], bytes], int, str], ShardLayout]
 
 _MAGIC = b"DCP1"
 _TAIL_BYTES = 16 << 10  # the first read of a shard: its tail, where a dcz index usually fits
+_HEAD_BYTES = 4 << 10  # read beside the tail: the head, where a magic (and a small header) lies
 _HEAD = struct.Struct("<4sQI")  # magic, file size, scratch path length; then the path; then one byte per unit
 
 
@@ -155,16 +157,27 @@ class PartialShard:
         os.replace(tmp, self._state_path)
 
     def _fetch_fixed(self, fd: int, fetch: Fetch) -> tuple[ShardLayout, bytes]:
-        """Fetch the file's tail (one read, where the index fits in it), parse the layout, then fetch
-        the fixed ranges not yet in; all written to ``fd``. Returns the layout and the units' initial state (those wholly in already: 1)."""
+        """Fetch the file's tail (where the index fits in it) and, beside it on a second thread, its
+        head (where a magic or a small header lies), both at once: one round trip, not two. Parse
+        the layout, then fetch the fixed ranges not yet in; all written to ``fd``. Returns the
+        layout and the units' initial state (those wholly in already: 1)."""
         tail_start = max(0, self.size - _TAIL_BYTES)
-        tail = fetch(tail_start, self.size)
+        head_end = min(_HEAD_BYTES, tail_start)
+        with ThreadPoolExecutor(1, thread_name_prefix="datacache-head") as pool:
+            head_job = pool.submit(fetch, 0, head_end) if head_end else None
+            tail = fetch(tail_start, self.size)
+            head = head_job.result() if head_job else b""
         self._write(fd, tail, tail_start)
         written = [(tail_start, self.size)]
+        if head:
+            self._write(fd, head, 0)
+            written.append((0, head_end))
 
         def read(a: int, b: int) -> bytes:
             if a >= tail_start:
                 return tail[a - tail_start:b - tail_start]
+            if b <= head_end:
+                return head[a:b]
             data = fetch(a, b)
             self._write(fd, data, a)
             written.append((a, b))

@@ -78,11 +78,13 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
       fits in the node cache (at most 0.9 of its budget), each epoch is one uniform permutation of
       the node's share across all its ranks and workers (a global shuffle's quality within the
       node; ``datacache._nodemix``), and epoch 0 too when the share is already cached (a cache
-      warmed with ``datacache warm``); "always": every epoch, the first too (on a cold cache the
-      first batch then waits for about one batch's shards);
-      "never": the sliding window only; "parts": as "auto", and a cold epoch 0 whose share will
-      fit is read as a part mix (``datacache._partmix``: parts of every shard at once by ranged
-      reads, each batch from many shards; dcz datasets, one node). ``shuffle_chunk``: bytes a node-mixed consumer reads per
+      warmed with ``datacache warm``); a cold epoch 0 whose share will fit is read as a part mix
+      (``datacache._partmix``: parts of every shard at once by ranged reads, each batch from many
+      shards; dcz datasets on one node; elsewhere the sliding window). "window": as "auto", but a
+      cold epoch 0 through the sliding window (its first batch after one shard, its batches from
+      a few shards); "parts": the same as "auto"; "always": every epoch a node mix, the first too
+      (on a cold cache the first batch then waits for about one batch's shards); "never": the
+      sliding window only. ``shuffle_chunk``: bytes a node-mixed consumer reads per
       chunk (default: the RAM tier's budget over 8 x the node's consumers, within 1 to 64 MB).
     - ``transform``: applied to each sample (in the consumer's process) before it is yielded.
     - ``batch_size``: when set, yields collated batches (``collate_fn``, default: what
@@ -199,7 +201,7 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
                         drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,
                         num_workers=num_workers, worker_id=worker_id, batch_size=self.batch_size or 1,
                         num_nodes=self.num_nodes, placement=self.placement, composed=self._composed,
-                        shard_bytes=self.shard_bytes)
+                        shard_bytes=self.shard_bytes, unit_rows=self.manifest.unit_rows)
         if not (mixes and shuffle):
             return spec
 

@@ -109,6 +109,14 @@ class Manifest:
         shard = bisect.bisect_right(self.offsets, index) - 1
         return shard, index - self.offsets[shard]
 
+    @property
+    def unit_rows(self) -> int:
+        """Samples per unit (a dcz block) as the writer recorded them (``extra["unit_rows"]``, their
+        median), or 0 where it did not (an older or foreign writer) or the value is not a positive
+        integer."""
+        v = self.extra.get("unit_rows")
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
     def cache_key(self, shard: int) -> str:
         """The node-cache key of a shard: dataset id plus relative name."""
         return f"{self.dataset_id}/{self.shards[shard].name}"

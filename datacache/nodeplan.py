@@ -136,7 +136,7 @@ def cap_lookahead(prefetch: PrefetchConfig, cache: NodeCache, manifest: Manifest
                                max_lookahead_bytes=max(la, min(int(prefetch.max_lookahead_bytes), cap)))
 
 
-NODE_SHUFFLE = ("auto", "always", "never", "parts")
+NODE_SHUFFLE = ("auto", "always", "never", "window", "parts")
 _ALWAYS = 1 << 62
 
 
@@ -161,21 +161,21 @@ def mix_fields(node_shuffle: str, shuffle_chunk: int | None, cache: NodeCache, c
     ``"always"`` every epoch; ``"never"`` none. The chunk: the given ``shuffle_chunk`` bytes, else
     the RAM tier's budget over 8 x ``consumers``, within 1 to 64 MB. ``datasets``: the cache-key
     datasets of this one (a mix's streams); ``ident``: what else names this dataset's plan on the
-    node (the decision is made once per node and epoch). ``"parts"``: as ``"auto"``, and where the
-    dataset can be read part by part (``parts``: ``readers.base.ShardLayout``), an epoch 0 whose
-    share is not cached, but would be mixed once it is, is read as a part mix
-    (``datacache._partmix``)."""
+    node (the decision is made once per node and epoch). ``"auto"`` also reads an epoch 0 whose
+    share is not cached, but would be mixed once it is, as a part mix (``datacache._partmix``)
+    where the dataset can be read part by part (``parts``: ``readers.base.ShardLayout``);
+    ``"window"`` reads that epoch through the sliding window instead; ``"parts"`` is ``"auto"``."""
     if node_shuffle not in NODE_SHUFFLE:
         raise ValueError(f"node_shuffle={node_shuffle!r}: expected one of {', '.join(NODE_SHUFFLE)}")
     ram = cache.budgets().get("ram", 0)
     chunk = shuffle_chunk or min(DEFAULT_CHUNK_BYTES, max(1 << 20, ram // (8 * max(consumers, 1))))
-    if node_shuffle == "never" or (node_shuffle in ("auto", "parts") and epoch < 1 and share_cached is None):
+    if node_shuffle == "never" or (node_shuffle != "always" and epoch < 1 and share_cached is None):
         return {"mix_bytes": 0, "chunk_bytes": chunk}
     if node_shuffle == "always":
         return {"mix_bytes": _ALWAYS, "mix_from": 0, "chunk_bytes": chunk}
     if epoch < 1:
         cached = auto_budget(cache, datasets, ident + (epoch,), require=share_cached)
-        if cached or not parts or node_shuffle != "parts":
+        if cached or not parts or node_shuffle == "window":
             return {"mix_bytes": cached, "mix_from": 0, "chunk_bytes": chunk}
         return {"mix_bytes": auto_budget(cache, datasets, ident + (epoch, "parts")), "mix_from": 1,
                 "chunk_bytes": chunk, "part_bytes": PART_BYTES}

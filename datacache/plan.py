@@ -81,7 +81,8 @@ class PlanSpec:
     permutation (``datacache._nodemix``; 0: never); ``chunk_bytes``: a mixed consumer's read
     granule, which changes no sample's position. ``part_bytes``: where > 0, an earlier epoch whose
     part would be mixed so is read as a part mix instead (``datacache._partmix``), in parts of
-    about that many bytes."""
+    about that many bytes, cut along units of ``unit_rows`` samples where > 0 (the writer's
+    samples per dcz block: ``Manifest.extra["unit_rows"]``), so that a part is one ranged read."""
 
     seed: int = 0
     epoch: int = 0
@@ -100,6 +101,7 @@ class PlanSpec:
     mix_from: int = 1
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     part_bytes: int = 0
+    unit_rows: int = 0
     shard_bytes: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -415,10 +417,12 @@ def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int,
     bounds = _worker_bounds(per, spec.num_workers, spec.batch_size)
     lo, hi = rank_start + bounds[spec.worker_id], rank_start + min(bounds[spec.worker_id + 1], per)
     chunk = chunk_samples(spec.chunk_bytes, spec.shard_bytes, counts)
-    if parts:
-        piece = part_piece(block, offsets, lo, hi, rows=part_rows(spec.part_bytes, spec.shard_bytes, counts),
+    if parts:  # the padding repeats end the segment: where the block does, its last ``padded``
+        pad = padded if (spec.node * node_ranks - first + node_ranks) * per == len(segment) else 0
+        piece = part_piece(block, offsets, lo, hi, rows=part_rows(spec.part_bytes, spec.shard_bytes, counts, spec.unit_rows),
                            window=PART_WINDOW, seed=spec.seed, epoch=spec.epoch, node=spec.node,
-                           node_ranks=node_ranks, per=per, bounds=bounds, batch_size=spec.batch_size)
+                           node_ranks=node_ranks, per=per, bounds=bounds, batch_size=spec.batch_size,
+                           pad=min(pad, len(block)))
         chunk = part_chunk(spec.batch_size, chunk)
     else:
         source = mix_positions(np.arange(lo, hi), len(block), seed=spec.seed, epoch=spec.epoch, node=spec.node)

@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import shutil
+import statistics
 import tempfile
 import warnings
 from collections.abc import Iterable, Mapping
@@ -77,6 +78,7 @@ class DatasetWriter:
         self.schema = dict(schema) if schema else None
         self._tmp = tempfile.mkdtemp(prefix="datacache-write-")
         self._shards: list[ShardInfo] = []
+        self._unit_rows: list[int] = []  # samples per whole unit of every shard written (readers.base.ShardLayout)
         self._current: Any = None
         self._current_path = ""
         self._current_count = 0
@@ -128,6 +130,7 @@ class DatasetWriter:
 
     def _finish_shard(self) -> None:
         self._current.close()
+        self._unit_rows += self._current.unit_rows
         path, self._current = self._current_path, None
         name = os.path.basename(path)
         info = ShardInfo(name, os.path.getsize(path), self._current_count, hash_file(path))
@@ -157,8 +160,11 @@ class DatasetWriter:
         except BaseException:
             self.abort()
             raise
+        extra: dict[str, Any] = {"written_by": f"datacache {__version__}", "write_id": self.write_id}
+        if self._unit_rows:  # the part mix cuts its parts along units (datacache._partmix.part_rows)
+            extra["unit_rows"] = int(statistics.median_low(self._unit_rows))
         manifest = Manifest(format=self._fmt.name, schema=self.schema or {}, shards=tuple(self._shards),
-                            extra={"written_by": f"datacache {__version__}", "write_id": self.write_id})
+                            extra=extra)
         try:
             self._store.write_bytes(MANIFEST_NAME, manifest.to_json().encode())  # the commit
             self.manifest = manifest

@@ -225,6 +225,12 @@ class ShardWriter(abc.ABC):
         """Number of samples written so far."""
         return self._count
 
+    @property
+    def unit_rows(self) -> tuple[int, ...]:
+        """Samples per whole unit (``ShardLayout``) written so far, the shard's last unit not
+        counted (it is cut short by the shard's end); empty for a format without units."""
+        return ()
+
     def close(self) -> None:
         """Finish the shard and move it to ``path``; idempotent."""
         if self._closed:

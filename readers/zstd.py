@@ -146,6 +146,12 @@ class ZstdShardWriter(_BaseWriter):
         self._block_first += len(self._block)
         self._block, self._block_size = [], 0
 
+    @property
+    def unit_rows(self) -> tuple[int, ...]:
+        """Samples per block, the last block (the shard's end cuts it short) not counted."""
+        firsts = self._blocks[3::4].tolist() + [self._block_first]
+        return tuple(b - a for a, b in zip(firsts[:-2], firsts[1:-1]))
+
     def _finish(self) -> None:
         if self._cctx is None:
             self._train()

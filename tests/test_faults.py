@@ -258,7 +258,9 @@ def test_corrupt_cache_file_is_refetched_after_a_restart(tmp_path: Path) -> None
     assert res["bad"] == 0 and sorted(res["ids"]) == list(range(n))
     st = {k: res["stats"][k] - before[k] for k in ("corrupt", "fetches", "hits_ram")}
     assert before["fetches"] == len(m.shards)
-    assert st["corrupt"] == 1 and st["fetches"] == 1 and st["hits_ram"] == len(m.shards) - 1, st
+    # every other shard a hit (at least once each: the restarted epoch 0 keeps its first run's
+    # decision, a part mix, whose chunks pin a shard once per chunk)
+    assert st["corrupt"] == 1 and st["fetches"] == 1 and st["hits_ram"] >= len(m.shards) - 1, st
     assert not os.path.exists(path)
 
 

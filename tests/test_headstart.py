@@ -115,3 +115,31 @@ def test_the_workers_first_shards_cross_the_link_one_after_another(
     assert shard <= down < 1.75 * shard, f"{down / shard:.2f} shards crossed the link before the first sample"
     del it
     ds.close()
+
+
+def test_a_part_mixed_epoch_gets_its_workers_first_chunks_rows_then_every_block_once(
+        s3_server: Any, make_s3_url: Any, tmp_path: Path) -> None:
+    """A cold part mix (``datacache._partmix``): the head start loads the rows of each worker's
+    first chunks into the shards' partial copies (ranged reads, no whole shard), and the workers
+    then read every block once more at most (single flight across the processes)."""
+    n, size, per_shard = 960, 1000, 96  # 10 shards of about 24 blocks of 4 samples
+    url = make_s3_url()
+    H.write(url, s3_server.storage_options(), n, size, shard_bytes=per_shard * size,
+            writer_options={"block_bytes": 4 * 1024})
+    ds = _dataset(url, s3_server.storage_options(), tmp_path, node_shuffle="auto")
+    read_before = ds.source.store.stats()["bytes_read"]  # the manifest's
+    head = ds.head_start(2)
+    assert head is not None and head.wait(120)
+    got = ds.cache.stats()
+    # ranged reads only (a copy whose every block came in is cached whole: counted as a fetch)
+    assert ds.source.store.stats()["bytes_read"] - read_before == got["partial_bytes"], got
+    # the first chunks' blocks (96 of 960 samples per worker) and each shard's index: not the dataset
+    assert 0 < got["partial_bytes"] < 0.75 * ds.manifest.total_bytes, got
+    assert len(set(head.shards)) > 2  # the first chunks draw on many shards
+    ids = H.assert_exactly_once(tud.DataLoader(ds, batch_size=None, num_workers=2), n, size)
+    assert len(ids) == n
+    stats, total = ds.cache.stats(), ds.manifest.total_bytes
+    assert stats["remote_bytes"] == total and total <= stats["partial_bytes"] <= 1.05 * total, stats
+    head.close()
+    head.close()  # idempotent
+    ds.close()

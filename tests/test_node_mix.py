@@ -130,11 +130,11 @@ N = 2400
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("node_shuffle", ["auto", "parts", "never"])
+@pytest.mark.parametrize("node_shuffle", ["auto", "window", "never"])
 def test_warm_epoch_is_node_mixed_through_workers(sorted_url: str, cache: NodeCache, node_shuffle: str) -> None:
-    """Epoch 0 (cold) reads as a part mix with "parts" (parts of many shards at once, each block
-    fetched once, every shard cached whole by the end), through the sliding window with "auto" and
-    "never"; epoch 1, its share cached, as one node mix but with "never": random-like batches
+    """Epoch 0 (cold) reads as a part mix with "auto", the default (parts of many shards at once,
+    each block fetched once, every shard cached whole by the end), through the sliding window with
+    "window" and "never"; epoch 1, its share cached, as one node mix but with "never": random-like batches
     through 2 DataLoader workers, every sample once in each epoch."""
     from datacache import DataLoader
 
@@ -151,7 +151,7 @@ def test_warm_epoch_is_node_mixed_through_workers(sorted_url: str, cache: NodeCa
     total = ds.manifest.total_bytes
     ds.close()
     assert stats[0]["remote_bytes"] == total and stats[1]["remote_bytes"] == total  # every shard once
-    if node_shuffle == "parts":
+    if node_shuffle == "auto":
         assert q[0] >= 0.8, q
         assert total <= stats[0]["partial_bytes"] <= 1.05 * total  # ranged reads: each block once
     else:
@@ -242,12 +242,12 @@ def test_the_mixed_share_is_what_the_consumers_read() -> None:
 
 @pytest.mark.timeout(180)
 def test_epoch_zero_mixes_when_the_share_is_cached_already(sorted_url: str, cache: NodeCache) -> None:
-    """"parts" ("auto" likewise, but with the window) in epoch 0: a part mix on an empty cache (read part by part, ``datacache._partmix``);
+    """The default ("auto"; "window" likewise, but with the window) in epoch 0: a part mix on an empty cache (read part by part, ``datacache._partmix``);
     a node mix once the share is cached (here by another seed's epoch, as ``datacache warm``
     would), decided once: the same dataset and seed read again keep the decision their first
     epoch 0 took."""
     def epoch0(seed: int) -> list[int]:
-        ds = StreamingDataset(sorted_url, cache=cache, seed=seed, node_shuffle="parts")
+        ds = StreamingDataset(sorted_url, cache=cache, seed=seed)
         ds.set_epoch(0)
         ids = _ids(ds)
         ds.close()

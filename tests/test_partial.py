@@ -11,11 +11,14 @@ import os
 import signal
 from typing import Any
 
+import numpy as np
 import pytest
 
 from datacache import CacheConfig, IntegrityError
 from datacache._partial import PartialShard
+from datacache._partmix import part_rows
 from datacache.shards import PartHandle, ShardSource
+from readers._dczindex import dcz_layout
 from tests.helpers import faults as H
 
 SIZE, N, SHARD = 1000, 300, 100_000  # about 100 samples per shard, 4 samples a block
@@ -201,5 +204,28 @@ def test_a_format_without_a_layout_is_fetched_whole(s3_server, make_s3_url, tmp_
         assert src.cache.contains(src.key(1)) == "ssd"
         _check(src, 1, handle, 2, 5)
         handle.release()
+    finally:
+        src.close()
+
+
+def test_parts_are_cut_along_the_blocks_the_writer_recorded(blocky, tmp_path) -> None:
+    """The writer records its samples per block; the part mix cuts parts at multiples of it, so a
+    part of about k blocks' bytes is k whole blocks (k ranged reads' worth, not k + 1 part blocks)."""
+    src = _source(*blocky, str(tmp_path))
+    try:
+        m = src.manifest
+        layouts = [dcz_layout(lambda a, b, s=s: src.store.read_range(s.name, a, b), s.bytes, s.name)
+                   for s in m.shards]
+        sizes = [b - a for lay in layouts for a, b in zip(lay.first[:-1], lay.first[1:])]
+        assert m.unit_rows == sorted(sizes)[(len(sizes) - 1) // 2] and m.unit_rows > 1
+        shard_bytes = np.array([s.bytes for s in m.shards])
+        counts = np.array([s.samples for s in m.shards])
+        block = float(shard_bytes.sum()) / counts.sum() * m.unit_rows
+        rows = part_rows(int(2.4 * block), shard_bytes, counts, m.unit_rows)
+        assert rows == 2 * m.unit_rows
+        for lay in layouts:  # every part but a shard's last one spans exactly two blocks
+            for lo in range(0, lay.samples - rows, rows):
+                assert len(lay.units_of_rows(list(range(lo, lo + rows)))) == 2
+        assert part_rows(int(2.4 * block), shard_bytes, counts) == int(2.4 * block // (block / m.unit_rows))
     finally:
         src.close()

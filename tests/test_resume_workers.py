@@ -62,11 +62,11 @@ def test_exactly_once_at_midpoints(dataset_url: str, cache: NodeCache, reads: in
 
 @pytest.mark.parametrize("reads", [1, 13])
 def test_exactly_once_at_midpoints_of_a_part_mix(dataset_url: str, cache: NodeCache, reads: int) -> None:
-    """A cold epoch read as a part mix (node_shuffle="parts": its order dealt across the node's
+    """A cold epoch read as a part mix (the default: its order dealt across the node's
     consumers in node time) saved mid-epoch by 2 ranks x 2 workers and resumed on 3 ranks x 1
     worker: every sample once. The resumed plan is the part mix the state recorded, whatever the
     cache holds by then."""
-    make = factory(dataset_url, cache, batch_size=8, node_shuffle="parts")
+    make = factory(dataset_url, cache, batch_size=8)
     assert make()._spec(2, 0).part_bytes > 0  # the epoch is a part mix
     check_exactly_once(make, [Stage(2, 2, reads), Stage(3, 1)])
 

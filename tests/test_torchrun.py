@@ -106,7 +106,10 @@ def test_torchrun_two_ranks_share_node_cache(s3_server: Any, slowlink: Any, tmp_
     out, cache_dir = tmp_path / "out", tmp_path / "cache"
     out.mkdir()
     cfg = {"url": url, "storage_options": s3_server.storage_options(link.endpoint_url), "cache_dir": str(cache_dir),
-           "out_dir": str(out), "epochs": 2}
+           "out_dir": str(out), "epochs": 2,
+           # whole shards, so that GETs count shards (a part mix's ranged reads, each block once
+           # per node across processes: tests/test_headstart.py, tests/test_partial.py)
+           "node_shuffle": "window"}
     epoch1, total = _run([["--standalone", "--nproc_per_node=2"]], cfg, tmp_path, link)
     _exactly_once(out, 2)
 

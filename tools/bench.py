@@ -59,7 +59,9 @@ LitData has no knob that mixes across its chunks. ``datacache+dropin`` (warm onl
 line, ``torch.utils.data.DataLoader(StreamingDataset(url), batch_size=B)`` over samples, beside
 the default ``datacache.DataLoader(ds, batch_size=B)``; ``datacache+torch`` (warm, small, raw):
 ``torch.utils.data.DataLoader(StreamingDataset(url, batch_size=B), batch_size=None)``, batched mode
-without torchdata's StatefulDataLoader (the default's base class before 11bac14). The mix scenario runs the default variants only.
+without torchdata's StatefulDataLoader (the default's base class before 11bac14);
+``datacache+window`` (cold, warm, shuffle): ``node_shuffle="window"``, the cold epoch through
+the sliding window rather than the default's part mix. The mix scenario runs the default variants only.
 
 A failed or aborted repetition stays in ``results.jsonl`` with its cause; the tables print n
 (repetitions completed of run) per cell and show a system none of whose repetitions completed as
@@ -105,8 +107,9 @@ SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 # knobs to about the named system's shuffle quality (tools/bench_systems.py), run in MATCHED only;
 # "dropin": datacache through a plain torch DataLoader over samples, run in DROPIN only; "torch":
 # datacache's batched mode through a plain torch DataLoader (batch_size=None), run in TORCH only;
-# "parts": datacache with node_shuffle="parts" (its cold epoch a part mix), run in MATCHED only
-VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "parts"),
+# "window": datacache with node_shuffle="window" (its cold epoch through the sliding window, not
+# the default's part mix), run in MATCHED only
+VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "window"),
             "streaming": ("default", "tuned", "match-datacache"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
 MATCHED = ("cold", "warm", "shuffle")
@@ -121,10 +124,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="160 MB (small: 20 MB), 1 rep: about 5 minutes")
     p.add_argument("--scenario", default=",".join(SCENARIOS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--variants", default="default,tuned,matched,dropin,torch",
+    p.add_argument("--variants", default="default,tuned,matched,dropin,torch,window",
                    help="settings to run: default, tuned, matched (the match-* variants, in cold, warm, shuffle), "
                         "dropin (datacache over samples through torch's DataLoader, in warm), torch (datacache's "
-                        "batched mode through torch's DataLoader, in warm, small, raw)")
+                        "batched mode through torch's DataLoader, in warm, small, raw), window (datacache's cold epoch "
+                        "through the sliding window, in cold, warm, shuffle)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
     p.add_argument("--size", help="dataset size (default 500MB; 160MB with --quick)")
     p.add_argument("--small-size", help="1 KiB-sample dataset size (default 100MB; 20MB with --quick)")
@@ -195,7 +199,7 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
 def runs_in(variant: str, scenario_name: str) -> bool:
     """Whether a variant runs in a scenario: match-* in MATCHED, dropin in DROPIN, torch in TORCH, the
     mix default only."""
-    if variant.startswith("match-") or variant == "parts":
+    if variant.startswith("match-") or variant == "window":
         return scenario_name in MATCHED
     if variant == "dropin":
         return scenario_name in DROPIN

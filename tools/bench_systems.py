@@ -159,7 +159,7 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
         cfg = datacache.CacheConfig(ram_dir=os.path.join(cache_dir, "ram"), ssd_dir=spec["ssd_dir"],
                                     **({"ram_bytes": C, "ssd_bytes": 0} if C else {}))
         window = {"match-litdata": {"window": 1, "node_shuffle": "never"},  # one shard run at a time, as LitData reads
-                  "parts": {"node_shuffle": "parts"},  # the cold epoch as a part mix (datacache._partmix)
+                  "window": {"node_shuffle": "window"},  # the cold epoch through the window, not a part mix
                   "match-streaming": {"window": spec.get("shards", 1)}}.get(variant, {})  # every shard
         batched = {"batch_size": bs} if variant == "torch" else {}
         ds = datacache.StreamingDataset(spec["url"], storage_options=spec["storage_options"], cache=cfg,

@@ -52,7 +52,9 @@ VARIANTS = (
     "drop-in line `torch.utils.data.DataLoader(StreamingDataset(url), batch_size=B)` over samples, beside the "
     "default `datacache.DataLoader(ds, batch_size=B)`. `datacache+torch` (warm, small, raw): batched mode through "
     "torch's own loader, `torch.utils.data.DataLoader(StreamingDataset(url, batch_size=B), batch_size=None)`, "
-    "without torchdata's `StatefulDataLoader` (which `datacache.DataLoader` was before `11bac14`).")
+    "without torchdata's `StatefulDataLoader` (which `datacache.DataLoader` was before `11bac14`). "
+    "`datacache+window` (cold, warm, shuffle): `node_shuffle='window'`, the cold epoch through the sliding window "
+    "instead of the default's part mix (datacache/_partmix.py).")
 
 QUALITY = (
     "Quality: mean distinct classes per batch over the same for a uniform random permutation (computed exactly for "

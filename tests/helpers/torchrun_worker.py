@@ -34,7 +34,8 @@ def main() -> int:
     node_dir = cfg["cache_dir"].format(node=rank // per_node)
     cache = CacheConfig(ram_bytes="64MB", ssd_bytes="64MB", ram_dir=os.path.join(node_dir, "ram"),
                         ssd_dir=os.path.join(node_dir, "ssd"))
-    ds = StreamingDataset(cfg["url"], storage_options=cfg["storage_options"], cache=cache, seed=5)
+    ds = StreamingDataset(cfg["url"], storage_options=cfg["storage_options"], cache=cache, seed=5,
+                          node_shuffle=cfg.get("node_shuffle", "auto"))
     assert (ds.dp_rank, ds.dp_size, ds.num_nodes) == (rank, world, cfg.get("nodes", 1))
     loader = DataLoader(ds, batch_size=16, num_workers=2)
     for epoch in range(cfg["epochs"]):
