@@ -28,7 +28,7 @@ from .eviction import Schedule
 from .plan import ConsumerPlan
 from .prefetch import Prefetcher
 from .shards import PartHandle, ShardSource
-from ._headstart import fetch_ahead
+from ._headstart import Lead, LeadItem
 from ._worker import parent_gone
 
 __all__ = ["Consumer"]
@@ -41,16 +41,17 @@ class Consumer:
 
     def __init__(self, *, source: ShardSource, plan: ConsumerPlan, epoch: int, skip: int, prefetch: PrefetchConfig,
                  schedule: Schedule | None, on_error: str, name: str,
-                 lead: tuple[Sequence[int], Sequence[int]] = ((), ())) -> None:
+                 lead: tuple[Sequence[LeadItem], Sequence[LeadItem]] = ((), ())) -> None:
         """``source``: the dataset through the node cache; ``plan``: this consumer's reads in
         ``epoch``; ``skip``: plan positions already read (a resume); ``prefetch``: the fetch stage's
         config; ``schedule``: the node's schedule in force (``shards.tell_plan``), advanced as runs
         are read; ``on_error``: "raise" or "skip" (unreadable shards); ``name``: thread name prefix;
         ``lead``: (before, after): the first shards of the rank's other DataLoader workers, those
-        before this one and those after it (``plan.first_shards``): this consumer gets ``before``
-        into the cache ahead of its own first shard, and ``after`` ahead of its lookahead, one at
-        a time (``_headstart.fetch_ahead``), so the workers' first shards arrive one after
-        another, each with the link to itself, in the order the loader needs them."""
+        before this one and those after it (``plan.first_shards``), or in a part mix the runs
+        ((shard, rows)) of their first chunks: this consumer gets ``before`` into the cache ahead
+        of its own first step, and ``after`` ahead of its lookahead (``_headstart.Lead``: whole
+        shards one at a time, runs on every thread that waits), so the workers' first reads
+        arrive one after another, each with the link to itself, in the order the loader needs them."""
         self.source, self.plan = source, plan
         self.manifest = source.manifest
         self.epoch, self.skip = epoch, skip
@@ -63,14 +64,23 @@ class Consumer:
             else list(range(n_runs))
         self.run_times = plan.run_times(epoch)  # set before the stages start: their threads read it
         self.skipped_shards = 0  # set before the stages start: the decode thread counts into it
-        self._lead, self._name = lead, name
-        self._led = threading.Event()  # ``lead[1]`` is in the cache (or given up): the lookahead may go
-        if not lead[1]:
-            self._led.set()
+        self._name = name
         self._skipped: set[int] = set()
+        self._first = _first_chunk(plan, self.needed)
+        # A part mix's slow start (``PrefetchConfig.slow_start``; its prefetcher starts every run
+        # of the first chunk at once): the lookahead waits until the first chunk is in.
+        self._first_left = self._first if plan.parts and prefetch.slow_start else 0
+        self._first_lock, self._first_in = threading.Lock(), threading.Event()
+        if not self._first_left:
+            self._first_in.set()
         if plan.parts:  # many small ranged reads, the first chunk's from many shards: more at once from the start
             prefetch = dataclasses.replace(prefetch, slow_start=False, threads=max(prefetch.threads, _PART_THREADS),
                                            max_threads=max(prefetch.max_threads, _PART_THREADS))
+        # The first chunk's runs (a whole-shard plan's first run) go after lead[0], the rest after lead[1].
+        when = self.run_times[self.needed[0]] if self.needed else float(epoch)
+        self._leads = [Lead(source, items, helpers=len(items) if plan.parts else 1, priority=p, use_at=when,
+                            cancelled=self._cancelled, who=name)
+                       for items, p in ((lead[0], -1.0), (lead[1], self._first - 0.5))]
         # Stage 1: shards into the cache, far ahead (network-bound, adaptive, byte-bounded).
         self.prefetcher: Prefetcher[tuple[int, int], CacheHandle | PartHandle] = Prefetcher(
             list(enumerate(plan.runs[r][0] for r in self.needed)), self._load, size_of=self._size_of,
@@ -89,29 +99,28 @@ class Consumer:
 
     def _load(self, item: tuple[int, int]) -> CacheHandle | PartHandle:
         """Get (position in the plan, shard) into the cache (a part mix's run: its rows, into the
-        shard's partial copy); earlier positions get the link first."""
+        shard's partial copy), after the lead its position waits for; earlier positions get the
+        link first."""
         position, shard = item
         use_at = self.run_times[self.needed[position]]
+        if position >= self._first:
+            self._first_in.wait()
+            self._leads[1].enter()
+            return self._get(position, shard, use_at)
+        self._leads[0].enter()
+        try:
+            return self._get(position, shard, use_at)
+        finally:
+            with self._first_lock:
+                self._first_left -= 1
+                if self._first_left <= 0:  # failed or not, the rest may go (and raise their own)
+                    self._first_in.set()
+
+    def _get(self, position: int, shard: int, use_at: float) -> CacheHandle | PartHandle:
         if self.plan.parts and self.plan.rows is not None:
             return self.source.load_rows(shard, self.plan.rows[self.needed[position]].tolist(), priority=position,
                                          use_at=use_at, cancelled=self._cancelled)
-        if position == 0:
-            self._fetch_lead(self._lead[0], use_at)
-        elif position == 1:  # items start in order: the lookahead's first item gets lead[1] first
-            try:
-                self._fetch_lead(self._lead[1], use_at)
-            finally:
-                self._led.set()
-        else:
-            self._led.wait()  # set by item 1's load, whatever happens there
         return self.source.fetch(shard, priority=position, use_at=use_at, cancelled=self._cancelled)
-
-    def _fetch_lead(self, shards: Sequence[int], use_at: float) -> None:
-        """Get ``shards`` (part of ``lead``) into the cache, one at a time, until one may not be."""
-        for shard in shards:
-            if self._cancelled() or not fetch_ahead(self.source, shard, priority=0, use_at=use_at,
-                                                    cancelled=self._cancelled, who=self._name):
-                return
 
     def _decode(self, run: int) -> "_Run":
         """Runs on the decode thread: pin the run's shard (waiting on stage 1) and read its range."""
@@ -196,7 +205,9 @@ class Consumer:
         """Abandon transfers in flight (their temp files are removed), then stop both stages: the
         prefetcher first, which wakes the decode thread waiting on it. Idempotent."""
         self._stop.set()
-        self._led.set()  # a load waiting for the lead: wake it (it then sees the stop)
+        self._first_in.set()  # a load waiting for the first chunk or a lead: wake it (it then sees the stop)
+        for lead in self._leads:
+            lead.close()
         self.prefetcher.close()
         self.decoder.close()
         if self.plan.parts:
@@ -205,6 +216,15 @@ class Consumer:
 
 _DECODE_AHEAD = 2  # runs decoded ahead of the one being consumed
 _PART_THREADS = 12  # a part mix's loads at once per consumer, at least
+
+
+def _first_chunk(plan: ConsumerPlan, needed: list[int]) -> int:
+    """How many of the ``needed`` runs belong to the first step: a mixed plan's first chunk (its
+    runs all start there), else the first run."""
+    if not plan.parts or not needed:
+        return 1
+    starts = plan.run_starts
+    return sum(1 for r in needed if starts[r] == starts[needed[0]])
 
 
 class _Run:

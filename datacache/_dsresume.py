@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.utils.data as tud
 
-from ._headstart import RUNS_PER_WORKER, HeadStart
+from ._headstart import RUNS_PER_WORKER, HeadStart, first_chunks
 from ._rounds import Rounds, WorkerBatches
 from .plan import ConsumerPlan, build_plan, mixed_share
 from .resume import ResumeState, common_state, plan_mix, rank_state, resume_plan, resume_spec, start_state
@@ -113,12 +113,10 @@ class ResumeMixin:
         runs = []
         for w in range(num_workers):
             plan, _ = self._worker_plan(num_workers, w, None, self.epoch, shards_only=True)
-            if not plan.parts or plan.rows is None:
+            if not plan.parts:
                 return None
-            firsts = sorted(set(plan.run_starts.tolist()))[:RUNS_PER_WORKER]
-            times = plan.run_times(self.epoch)
-            runs += [(firsts.index(a), w, k, plan.runs[k][0], times[k], plan.rows[k].tolist())
-                     for k, a in enumerate(plan.run_starts.tolist()) if a in firsts]
+            runs += [(c, w, k, shard, t, rows)
+                     for k, (c, shard, t, rows) in enumerate(first_chunks(plan, self.epoch, RUNS_PER_WORKER))]
         if not runs:
             return None
         runs.sort(key=lambda r: r[:3])

@@ -33,11 +33,24 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["HeadStart", "RUNS_PER_WORKER", "fetch_ahead"]
+__all__ = ["HeadStart", "Lead", "RUNS_PER_WORKER", "fetch_ahead", "first_chunks"]
 
 log = logging.getLogger("datacache.dataset")
 
 RUNS_PER_WORKER = 2  # the first two runs: a worker's first step needs its first run, the next its second
+
+
+def first_chunks(plan: Any, epoch: int, chunks: int) -> list[tuple[int, int, float, list[int]]]:
+    """The runs of the first ``chunks`` chunks of a part-mixed ``plan`` (a ``ConsumerPlan`` with
+    ``parts``) in ``epoch``: (chunk index, shard, next-use time, shard-local rows) each, in plan
+    order; empty for any other plan."""
+    if not plan.parts or plan.rows is None:
+        return []
+    starts = plan.run_starts.tolist()
+    firsts = sorted(set(starts))[:chunks]
+    times = plan.run_times(epoch)
+    return [(firsts.index(a), plan.runs[k][0], times[k], plan.rows[k].tolist())
+            for k, a in enumerate(starts) if a in firsts]
 
 
 def fetch_ahead(source: Any, shard: int, *, priority: float, use_at: float, cancelled: Callable[[], bool],
@@ -138,3 +151,54 @@ class HeadStart:
             if t is not threading.current_thread():
                 t.join()
 
+
+
+LeadItem = int | tuple[int, list[int]]  # a shard, or (shard, shard-local rows): a part mix's run
+
+
+class Lead:
+    """Other consumers' first reads (``items``: shards, or (shard, rows) runs of a part mix), which
+    a consumer's prefetch threads get into the node cache before their own loads (``Consumer``'s
+    lead): ``enter()`` has the calling thread fetch the next items in order (``fetch_ahead``) while
+    fewer than ``helpers`` threads do, then wait until every item is in or one may not be (the
+    rest is then left to their own consumers). One helper fetches whole shards one at a time,
+    each with the link to itself; a part mix's small runs take as many helpers as come, since one
+    thread would leave the link idle between them. ``priority``, ``use_at``, ``cancelled``,
+    ``who``: as for ``fetch_ahead``. Thread-safe; no lock is held during a fetch."""
+
+    def __init__(self, source: Any, items: Sequence[LeadItem], *, helpers: int, priority: float, use_at: float,
+                 cancelled: Callable[[], bool], who: str) -> None:
+        self._source, self._items, self._helpers = source, list(items), max(1, int(helpers))
+        self._args = dict(priority=priority, use_at=use_at, cancelled=cancelled, who=who)
+        self._lock = threading.Lock()  # guards the three counters below
+        self._next, self._fetching, self._left = 0, 0, len(self._items)
+        self._done = threading.Event()  # every item is in, or one may not be, or close()
+        if not self._items:
+            self._done.set()
+
+    def _take(self) -> LeadItem | None:
+        with self._lock:
+            if self._done.is_set() or self._next >= len(self._items) or self._fetching >= self._helpers:
+                return None
+            self._next += 1
+            self._fetching += 1
+            return self._items[self._next - 1]
+
+    def enter(self) -> None:
+        """Help fetch the items, then wait for them (see the class docstring)."""
+        while (item := self._take()) is not None:
+            ok = False
+            try:
+                shard, rows = (item, None) if isinstance(item, int) else item
+                ok = fetch_ahead(self._source, shard, rows=rows, **self._args)
+            finally:
+                with self._lock:
+                    self._fetching -= 1
+                    self._left -= 1
+                    if not ok or self._left == 0:
+                        self._done.set()
+        self._done.wait()
+
+    def close(self) -> None:
+        """Wake every waiting thread (they then see the consumer's stop). Idempotent."""
+        self._done.set()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._nodemix import FIRST_CHUNK
 from ._nodeorder import memo, readonly
 from ._pieces import Pieces
 
@@ -74,11 +75,13 @@ def part_rows(part_bytes: int, shard_bytes: np.ndarray | None, counts: np.ndarra
 
 
 def part_chunk(batch_size: int, chunk_samples: int) -> int:
-    """A part-mixed consumer's read granule in positions: four batches (64 samples at least), within
-    the node mix's chunk (``chunk_samples``). Each chunk reads its rows of every shard it touches at
-    once, and waits for all of them: small enough to keep the lag short, large enough that a shard
-    is opened once for several of its rows."""
-    return max(1, min(chunk_samples, max(64, 4 * batch_size)))
+    """A part-mixed consumer's read granule in positions: one batch (``FIRST_CHUNK`` samples at
+    least), within the node mix's chunk (``chunk_samples``). Each chunk reads its rows of every
+    shard it touches at once, and its positions all wait for the last of them: one batch's worth,
+    so a batch waits only for its own blocks. Four batches per chunk kept a batch waiting for the
+    blocks of the three after it (0.15-0.5 s behind its own data on the bench's cold epoch, and
+    that much more after the last byte; ``tools/bench.py --scenario shuffle``)."""
+    return max(1, min(chunk_samples, max(FIRST_CHUNK, batch_size)))
 
 
 def part_piece(block: Pieces, offsets: np.ndarray, lo: int, hi: int, *, rows: int, window: int, seed: int,

@@ -31,6 +31,7 @@ import torch.utils.data as tud
 from ._batches import RingCollator, collate
 from ._batchloop import batched
 from ._consumer import Consumer
+from ._headstart import LeadItem, first_chunks
 from ._nodeorder import assign_nodes, readonly
 from .cache import NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
@@ -271,21 +272,28 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
             self._consumer.close()
         prefetch = cap_lookahead(self.prefetch, self.cache, self.manifest, len(self._node_dp_ranks()) * num_workers)
         consumer = Consumer(source=self.source, plan=plan, epoch=self.epoch, skip=skip, prefetch=prefetch,
-                            schedule=schedule, on_error=self.on_error, lead=self._lead(spec, order, skip),
+                            schedule=schedule, on_error=self.on_error, lead=self._lead(spec, order, skip, plan.parts),
                             name=f"datacache-prefetch-r{self.dp_rank}w{worker_id}")
         self._consumer = consumer
         self._resume_base = self._resume
         self._resume = None
         yield from self._emit(consumer)
 
-    def _lead(self, spec: PlanSpec, order: Any, skip: int) -> tuple[list[int], list[int]]:
-        """The other DataLoader workers' first shards, (before this one, after it), that this
-        worker fetches ahead of its own first and of its lookahead (``Consumer``'s ``lead``): at
-        an epoch's start, with ``PrefetchConfig.slow_start``; else none."""
+    def _lead(self, spec: PlanSpec, order: Any, skip: int, parts: bool) -> tuple[list[LeadItem], list[LeadItem]]:
+        """The other DataLoader workers' first reads, (before this one, after it), that this worker
+        gets ahead of its own first and of its lookahead (``Consumer``'s ``lead``): at an epoch's
+        start, with ``PrefetchConfig.slow_start``, their first shards; in a part-mixed epoch (``parts``), the
+        runs of their first chunks (which every worker needs at once: without it, the first batch's
+        blocks shared the link with the second's); else none."""
         if skip or spec.num_workers < 2 or not self.prefetch.slow_start:
             return [], []
-        firsts = first_shards(self.counts, spec, order)
         w = spec.worker_id
+        if parts:
+            runs = [[(shard, rows) for _, shard, _, rows in first_chunks(
+                build_plan(self.counts, replace(spec, worker_id=v), order=order, shards_only=True), self.epoch, 1)]
+                for v in range(spec.num_workers)]
+            return [r for v in runs[:w] for r in v], [r for v in runs[w + 1:] for r in v]
+        firsts = first_shards(self.counts, spec, order)
         return ([s for s in firsts[:w] if s is not None and s != firsts[w]],
                 [s for s in firsts[w + 1:] if s is not None and s != firsts[w]])
 

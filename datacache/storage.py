@@ -64,6 +64,7 @@ from .errors import IntegrityError, NotFoundError, StorageError
 
 __all__ = ["open_store", "Store"]
 
+SMALL_READ = 64 << 10  # read_range: a read this small takes no request slot
 _thread_ids = count()
 _stores: "weakref.WeakSet[Store]" = weakref.WeakSet()
 
@@ -279,12 +280,17 @@ class Store:
     def read_range(self, name: str, start: int, end: int, *, priority: float = 0.0,
                    cancelled: Callable[[], bool] | None = None) -> bytes:
         """Bytes ``[start, end)`` of object ``name`` (one ranged GET, retried). ``priority`` and
-        ``cancelled``: as for ``read_into``."""
+        ``cancelled``: as for ``read_into``. A read of at most ``SMALL_READ`` bytes (a shard's index
+        or header, which the larger reads of that shard wait for) takes no request slot: it costs a
+        round trip, not a share of the link, and queued behind 1 MB reads it left the link all but
+        idle for the first 0.3 s of a part-mixed cold epoch (each first read of a shard waits for
+        its index; ``TransferConfig.range_requests``). It still takes a place in the congestion window."""
         if not 0 <= start <= end:
             raise ValueError(f"bad range [{start}, {end})")
         if start == end:
             return b""
-        return self._read_part(name, start, end, None, time.monotonic(), cancelled, priority,
+        small = end - start <= SMALL_READ  # a round trip, not a share of the link: no slot
+        return self._read_part(name, start, end, None, time.monotonic(), cancelled, None if small else priority,
                                slots=self._range_requests)
 
     def read_bytes(self, name: str, *, size: int | None = None) -> bytes:

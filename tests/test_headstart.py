@@ -10,7 +10,7 @@ import torch.utils.data as tud
 
 import datacache
 from datacache import StreamingDataset
-from datacache._headstart import RUNS_PER_WORKER, HeadStart
+from datacache._headstart import RUNS_PER_WORKER, HeadStart, first_chunks
 from tests.helpers import faults as H
 
 pytestmark = pytest.mark.timeout(180)
@@ -143,3 +143,37 @@ def test_a_part_mixed_epoch_gets_its_workers_first_chunks_rows_then_every_block_
     head.close()
     head.close()  # idempotent
     ds.close()
+
+
+@pytest.mark.parametrize("slow_start", [True, False])
+def test_a_part_mixed_epochs_first_sample_waits_for_worker_0s_first_chunk_alone(
+        s3_server: Any, make_s3_url: Any, slowlink: Any, tmp_path: Path, slow_start: bool) -> None:
+    """The lead of a part mix (``_headstart.Lead``): worker 1 loads worker 0's first-chunk runs
+    before its own, and worker 0 its lookahead only once its first chunk and then worker 1's are
+    in, so when the first sample (worker 0's) arrives, the link has carried worker 0's first chunk
+    (its shards' indexes and heads, and its blocks) and little more. Without it
+    (``slow_start=False``) both workers' first chunks and lookaheads share the link. Counted at
+    the proxy; a plain torch DataLoader (no head start)."""
+    n, size, per_shard = 960, 1000, 96  # 10 shards of about 24 blocks of 4 samples
+    url = make_s3_url()
+    H.write(url, s3_server.storage_options(), n, size, shard_bytes=per_shard * size,
+            writer_options={"block_bytes": 4 * 1024})
+    link = slowlink(bandwidth=200_000)
+    ds = _dataset(url, s3_server.storage_options(link.endpoint_url), tmp_path, node_shuffle="auto",
+                  prefetch=datacache.PrefetchConfig(slow_start=slow_start))
+    firsts = [first_chunks(ds._worker_plan(2, w, None, 0, shards_only=True)[0], 0, 1) for w in range(2)]
+    shards = [{shard for _, shard, _, _ in f} for f in firsts]
+    blocks = [{(shard, row // 4) for _, shard, _, rows in f for row in rows} for f in firsts]
+    # at most: each shard's index and head (20 KiB), each block (4 samples of 1000 B and framing)
+    first = len(shards[0]) * 20 * 1024 + len(blocks[0]) * 4608
+    second = len(shards[1] - shards[0]) * 20 * 1024 + len(blocks[1] - blocks[0]) * 4608
+    link.reset_counters()
+    it = iter(tud.DataLoader(ds, batch_size=None, num_workers=2))
+    next(it)
+    down = link.snapshot()["bytes_down"]
+    del it
+    ds.close()
+    if slow_start:
+        assert down <= first + second / 2, f"{down} B crossed before the first sample; worker 0's first chunk is {first} B"
+    else:
+        assert down > first + second, f"{down} B crossed before the first sample without the lead"
