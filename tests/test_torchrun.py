@@ -2,7 +2,7 @@
 
 - ``torchrun --standalone --nproc_per_node=2``, both ranks sharing one node cache: samples are split
   exactly once across ranks, each shard crosses the link once for the node in epoch 1, and epoch 2
-  costs nothing;
+  costs nothing; the same for the default part-mixed cold epoch, each block once for the node;
 - two nodes, ``torchrun --nnodes 2 --node-rank 0/1`` on 127.0.0.1, each with its own cache
   directories: exactly once across all ranks, and epoch 2 reads <= 1 % of the dataset.
 """
@@ -44,12 +44,14 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _dataset(s3_server: Any) -> tuple[str, Any]:
-    """N samples, written straight to the server: the link sees only the job's reads."""
+def _dataset(s3_server: Any, **writer: Any) -> tuple[str, Any]:
+    """N samples, written straight to the server: the link sees only the job's reads. ``writer``:
+    the writer's options (e.g. ``block_bytes``)."""
     url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/"
     rng = np.random.default_rng(0)  # incompressible payload: ~48 KB shards
     m = write_dataset(({"i": i, "x": rng.integers(0, 2**31 - 1, 64, dtype=np.int32)} for i in range(N)), url,
-                      shard_bytes=48 << 10, storage_options=s3_server.storage_options(), progress=False)
+                      shard_bytes=48 << 10, storage_options=s3_server.storage_options(), progress=False,
+                      writer_options=writer or None)
     assert len(m.shards) >= 8
     return url, m
 
@@ -129,6 +131,33 @@ def test_torchrun_two_ranks_share_node_cache(s3_server: Any, slowlink: Any, tmp_
     # the node cache's own counters agree (shared by both ranks)
     stats = [json.loads((out / f"rank{r}_stats.json").read_text()) for r in range(2)]
     assert stats[1]["remote_bytes"] == shard_bytes and stats[1]["misses"] == len(m.shards)
+    assert stats[1]["samples"] == 2 * N
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_torchrun_two_ranks_part_mix_each_block_once_per_node(s3_server: Any, slowlink: Any, tmp_path: Path) -> None:
+    """The default cold epoch, a part mix (``datacache._partmix``), read by 2 ranks x 2 workers of
+    one node: every sample once, each shard's blocks crossed the link once for the node (ranged
+    reads into the node's partial copies, single flight across the four processes), and the
+    second epoch costs nothing. Counted in bytes at the proxy (ranged reads: GETs are blocks)."""
+    url, m = _dataset(s3_server, block_bytes=4096)  # about 12 blocks a shard
+    shard_bytes = m.total_bytes
+    manifest_bytes = len(m.to_json().encode())
+    link = slowlink(bandwidth=500e6, latency=0.001)
+    out, cache_dir = tmp_path / "out", tmp_path / "cache"
+    out.mkdir()
+    cfg = {"url": url, "storage_options": s3_server.storage_options(link.endpoint_url), "cache_dir": str(cache_dir),
+           "out_dir": str(out), "epochs": 2}
+    epoch1, total = _run([["--standalone", "--nproc_per_node=2"]], cfg, tmp_path, link)
+    _exactly_once(out, 2)
+    stats = [json.loads((out / f"rank{r}_stats.json").read_text()) for r in range(2)]
+    # read part by part: partial copies, no whole-shard fetch
+    assert shard_bytes <= stats[1]["partial_bytes"] <= 1.05 * shard_bytes, (stats[1], shard_bytes)
+    assert epoch1["gets"] > 2 * len(m.shards), f"{epoch1['gets']} GETs: not ranged reads of blocks"
+    # headers are < 2 KB a request; a shard read twice by the node would add a whole shard's bytes
+    overhead = 2 * manifest_bytes + 2048 * epoch1["requests"]
+    assert shard_bytes <= epoch1["bytes_down"] <= 1.05 * shard_bytes + overhead, (epoch1, shard_bytes, overhead)
+    assert total["bytes_down"] - epoch1["bytes_down"] == 0, (epoch1, total)
     assert stats[1]["samples"] == 2 * N
 
 
