@@ -99,21 +99,28 @@ def _exactly_once(out: Path, ranks: int) -> None:
     assert orders[0] != orders[1]
 
 
-@pytest.mark.timeout(TIMEOUT + 30)
-def test_torchrun_two_ranks_share_node_cache(s3_server: Any, slowlink: Any, tmp_path: Path) -> None:
-    url, m = _dataset(s3_server)
-    shard_bytes = m.total_bytes
-    manifest_bytes = len(m.to_json().encode())
+def _one_node_job(s3_server: Any, slowlink: Any, tmp_path: Path, extra: dict[str, Any],
+                  **writer: Any) -> tuple[Any, Path, dict, dict]:
+    """``torchrun --standalone --nproc_per_node=2`` over a fresh dataset (``writer``: its writer's
+    options) through a fast metering link, 2 epochs, ``extra`` in the ranks' config; checks every
+    sample once; (manifest, out dir, epoch 1's link counters, the total)."""
+    url, m = _dataset(s3_server, **writer)
     link = slowlink(bandwidth=500e6, latency=0.001)
     out, cache_dir = tmp_path / "out", tmp_path / "cache"
     out.mkdir()
     cfg = {"url": url, "storage_options": s3_server.storage_options(link.endpoint_url), "cache_dir": str(cache_dir),
-           "out_dir": str(out), "epochs": 2,
-           # whole shards, so that GETs count shards (a part mix's ranged reads, each block once
-           # per node across processes: tests/test_headstart.py, tests/test_partial.py)
-           "node_shuffle": "window"}
+           "out_dir": str(out), "epochs": 2, **extra}
     epoch1, total = _run([["--standalone", "--nproc_per_node=2"]], cfg, tmp_path, link)
     _exactly_once(out, 2)
+    return m, out, epoch1, total
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_torchrun_two_ranks_share_node_cache(s3_server: Any, slowlink: Any, tmp_path: Path) -> None:
+    # whole shards, so that GETs count shards (a part mix's ranged reads: the next test)
+    m, out, epoch1, total = _one_node_job(s3_server, slowlink, tmp_path, {"node_shuffle": "window"})
+    shard_bytes = m.total_bytes
+    manifest_bytes = len(m.to_json().encode())
 
     # epoch 1: each shard crossed the link once for the whole node (2 ranks x 2 workers)
     gets = epoch1["gets"]
@@ -140,16 +147,9 @@ def test_torchrun_two_ranks_part_mix_each_block_once_per_node(s3_server: Any, sl
     one node: every sample once, each shard's blocks crossed the link once for the node (ranged
     reads into the node's partial copies, single flight across the four processes), and the
     second epoch costs nothing. Counted in bytes at the proxy (ranged reads: GETs are blocks)."""
-    url, m = _dataset(s3_server, block_bytes=4096)  # about 12 blocks a shard
+    m, out, epoch1, total = _one_node_job(s3_server, slowlink, tmp_path, {}, block_bytes=4096)  # ~12 blocks a shard
     shard_bytes = m.total_bytes
     manifest_bytes = len(m.to_json().encode())
-    link = slowlink(bandwidth=500e6, latency=0.001)
-    out, cache_dir = tmp_path / "out", tmp_path / "cache"
-    out.mkdir()
-    cfg = {"url": url, "storage_options": s3_server.storage_options(link.endpoint_url), "cache_dir": str(cache_dir),
-           "out_dir": str(out), "epochs": 2}
-    epoch1, total = _run([["--standalone", "--nproc_per_node=2"]], cfg, tmp_path, link)
-    _exactly_once(out, 2)
     stats = [json.loads((out / f"rank{r}_stats.json").read_text()) for r in range(2)]
     # read part by part: partial copies, no whole-shard fetch
     assert shard_bytes <= stats[1]["partial_bytes"] <= 1.05 * shard_bytes, (stats[1], shard_bytes)
