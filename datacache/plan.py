@@ -55,11 +55,11 @@ and plans them the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Protocol
 
 import numpy as np
 
+from ._consumerplan import ConsumerPlan, piece_runs
 from ._nodemix import DEFAULT_CHUNK_BYTES, chunk_runs, chunk_samples, mix_positions, node_mixes
 from ._nodeorder import digest, memo, node_part, node_pieces
 from ._partmix import PART_WINDOW, part_chunk, part_mixes, part_piece, part_rows
@@ -263,62 +263,6 @@ def _worker_bounds(n: int, num_workers: int, batch_size: int = 1) -> np.ndarray:
     return np.linspace(0, batches, max(num_workers, 1) + 1).round().astype(np.int64) * batch_size
 
 
-@dataclass(frozen=True)
-class ConsumerPlan:
-    """One consumer's reads for one epoch (see the module docstring).
-
-    ``runs``: (shard, lo, hi) per run, in the order they are needed: the run reads local indices
-    within ``[lo, hi)`` of ``shard``. ``steps``: positions where each step starts, plus the end.
-    ``samples``/``run_of``: global sample id and run of each read position (``None`` for a
-    shards-only plan). ``padded``: repeats added to this epoch across all ranks. ``rows``: the
-    rows each run reads (a mixed plan's). ``parts``: a part mix's plan, whose runs are read part by
-    part (``ShardSource.load_rows``) rather than as whole shards.
-    """
-
-    runs: list[tuple[int, int, int]]
-    steps: np.ndarray
-    samples: np.ndarray | None
-    run_of: np.ndarray | None
-    length: int
-    window: int
-    padded: int
-    run_starts: np.ndarray
-    rows: list[np.ndarray] | None = None
-    parts: bool = False
-
-    def __len__(self) -> int:
-        return self.length
-
-    @cached_property
-    def shard_sequence(self) -> list[int]:
-        """Shards in the order this consumer needs them (a shard may appear more than once)."""
-        return [r[0] for r in self.runs]
-
-    def run_times(self, epoch: int) -> list[float]:
-        """The node-clock time at which each run's shard is read: ``epoch + run start / length``
-        (run starts in the unshuffled order, so a shards-only plan gives the same times)."""
-        n = max(self.length, 1)
-        return [epoch + float(a) / n for a in self.run_starts]
-
-    def shard_times(self, epoch: int) -> list[tuple[int, float]]:
-        """(shard, time) of each run on the node clock (see ``run_times``)."""
-        return list(zip(self.shard_sequence, self.run_times(epoch)))
-
-
-def _runs(piece: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
-    """Run index of each position of ``piece``, run start positions, and (shard, lo, hi) per run."""
-    shard_of = np.searchsorted(offsets, piece, side="right") - 1
-    if len(piece) == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), []
-    starts = np.flatnonzero(np.concatenate([[True], shard_of[1:] != shard_of[:-1]]))
-    run_of = np.cumsum(np.isin(np.arange(len(piece)), starts)) - 1
-    local = piece - offsets[shard_of]
-    lo = np.minimum.reduceat(local, starts)
-    hi = np.maximum.reduceat(local, starts) + 1
-    runs = list(zip(shard_of[starts].tolist(), lo.tolist(), hi.tolist()))
-    return run_of, starts, runs
-
-
 def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = None, *,
                shards_only: bool = False) -> ConsumerPlan:
     """The plan of consumer (``spec.dp_rank``, ``spec.worker_id``) for ``spec.epoch``.
@@ -341,7 +285,7 @@ def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = No
         starts, runs = mine.runs()
         return ConsumerPlan(runs, np.append(starts, len(mine)), None, None, len(mine), window, padded, starts)
     piece = mine.samples(offsets)
-    run_of, starts, runs = _runs(piece, offsets)
+    run_of, starts, runs = piece_runs(piece, offsets)
     keys = run_of.astype(np.float64)
     if spec.shuffle:
         rng = np.random.default_rng([spec.seed, spec.epoch, 1, spec.dp_rank, spec.worker_id])

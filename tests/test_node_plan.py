@@ -13,7 +13,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from datacache._nodeorder import assign_nodes
-from datacache.plan import PlanSpec, _runs, build_plan, remainder_order, split_even
+from datacache._consumerplan import piece_runs
+from datacache.plan import PlanSpec, build_plan, remainder_order, split_even
 from tests.helpers.plans import SETTINGS, all_plans, check_exactly_once_and_equal_ranks, counts_st, node_specs
 
 
@@ -232,7 +233,7 @@ def test_shard_level_orders_equal_the_sample_level_plan(data: st.DataObject, cou
         for w in range(spec.num_workers):
             sub = replace(spec, dp_rank=r, worker_id=w)
             piece, padded = _todays_piece(c, sub, order)
-            run_of, starts, runs = _runs(piece, np.concatenate([[0], np.cumsum(c)]))
+            run_of, starts, runs = piece_runs(piece, np.concatenate([[0], np.cumsum(c)]))
             for plan in (build_plan(c, sub, order=order), build_plan(c, sub, order=order, shards_only=True)):
                 assert plan.runs == runs and np.array_equal(plan.run_starts, starts) and plan.padded == padded
                 assert len(plan) == len(piece)
