@@ -85,6 +85,7 @@ class PartialShard:
         self._state: mmap.mmap | None = None
         self._base = 0
         self.fetched_bytes = 0  # bytes this handle fetched
+        self._committing = False  # a thread of this process is handing the whole copy to the cache
 
     # ------------------------------------------------------------------ attach
     def _attach(self, fetch: Fetch) -> None:
@@ -221,7 +222,10 @@ class PartialShard:
         is missing with ``fetch(start, end)`` (a ranged read of the object; see the module
         docstring); the last unit in completes the copy into the cache. Returns whether the copy
         is complete (it is in the cache then, unless the cache's policy declined it: read it with
-        a cache get). Raises ``PartialGone`` where the copy is gone (read the shard with a cache
+        a cache get); False also while another thread of this process hands the complete copy to
+        the cache (the rows are in: read them from ``path``, or, once it is gone, from the cache;
+        at the end of a part-mixed epoch, when most shards complete, up to ten threads of a
+        process queued up to 0.1 s each for that hand-over with their rows in). Raises ``PartialGone`` where the copy is gone (read the shard with a cache
         get), ``IntegrityError`` where it completed and failed the hash, and the fetch's errors."""
         self._attach(fetch)
         assert self.layout is not None
@@ -233,7 +237,15 @@ class PartialShard:
             self._fill_run(run, fetch)
         if not self.complete():
             return False
-        self._commit(use_at)
+        with self._lock:  # one thread of the process hands the copy over; the others read it meanwhile
+            if self._committing:
+                return False
+            self._committing = True
+        try:
+            self._commit(use_at)
+        finally:
+            with self._lock:
+                self._committing = False
         return True
 
     def _fill_run(self, run: list[int], fetch: Fetch) -> None:
