@@ -32,6 +32,7 @@ from ._batches import RingCollator, collate
 from ._batchloop import batched
 from ._consumer import Consumer
 from ._headstart import LeadItem, first_chunks
+from ._partmix import part_chunk
 from ._nodeorder import assign_nodes, readonly
 from .cache import NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
@@ -289,9 +290,10 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
             return [], []
         w = spec.worker_id
         if parts:
+            head = part_chunk(spec.batch_size, 1 << 62)  # at least a part mix's first chunk
             runs = [[(shard, rows) for _, shard, _, rows in first_chunks(
-                build_plan(self.counts, replace(spec, worker_id=v), order=order, shards_only=True), self.epoch, 1)]
-                for v in range(spec.num_workers)]
+                build_plan(self.counts, replace(spec, worker_id=v), order=order, shards_only=True, head=head),
+                self.epoch, 1)] for v in range(spec.num_workers)]
             return [r for v in runs[:w] for r in v], [r for v in runs[w + 1:] for r in v]
         firsts = first_shards(self.counts, spec, order)
         return ([s for s in firsts[:w] if s is not None and s != firsts[w]],

@@ -264,18 +264,21 @@ def _worker_bounds(n: int, num_workers: int, batch_size: int = 1) -> np.ndarray:
 
 
 def build_plan(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = None, *,
-               shards_only: bool = False) -> ConsumerPlan:
+               shards_only: bool = False, head: int | None = None) -> ConsumerPlan:
     """The plan of consumer (``spec.dp_rank``, ``spec.worker_id``) for ``spec.epoch``.
 
     ``order`` replaces the epoch's global order (used to resume from a remainder);
     ``shards_only`` skips the per-sample shuffle (enough for prefetch and eviction schedules: run
-    start times are then approximated by the runs' unshuffled positions).
+    start times are then approximated by the runs' unshuffled positions). ``head``: a mixed plan
+    of the consumer's first ``head`` positions only (its length and run times are the prefix's):
+    another consumer's first chunks at a fraction of the cost (a part mix of 200,000 samples took
+    0.8 s a plan); other plans are planned whole.
     """
     counts = np.asarray(counts, dtype=np.int64)
     offsets = _offsets(counts)
     segment, first, ranks, padded = _rank_segment(counts, spec, order)
     per = len(segment) // ranks
-    mixed = _mixed_plan(counts, spec, segment, first, per, padded, shards_only)
+    mixed = _mixed_plan(counts, spec, segment, first, per, padded, shards_only, head)
     if mixed is not None:
         return mixed
     rank = segment.cut((spec.dp_rank - first) * per, (spec.dp_rank - first + 1) * per)
@@ -346,7 +349,7 @@ def first_shards(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = 
 
 
 def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int, per: int, padded: int,
-                shards_only: bool) -> ConsumerPlan | None:
+                shards_only: bool, head: int | None = None) -> ConsumerPlan | None:
     """The consumer's plan when its node's part is read as a node mix (``datacache._nodemix``)
     or a part mix (``datacache._partmix``), else None. ``segment`` holds the node's ranks from rank ``first`` on, ``per`` positions each.
     ``shards_only``: the same runs, without ``samples``/``run_of`` (computed all the same: a
@@ -360,6 +363,7 @@ def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int,
     rank_start = (spec.dp_rank - spec.node * node_ranks) * per
     bounds = _worker_bounds(per, spec.num_workers, spec.batch_size)
     lo, hi = rank_start + bounds[spec.worker_id], rank_start + min(bounds[spec.worker_id + 1], per)
+    hi = hi if head is None else min(hi, lo + max(0, head))
     chunk = chunk_samples(spec.chunk_bytes, spec.shard_bytes, counts)
     if parts:  # the padding repeats end the segment: where the block does, its last ``padded``
         pad = padded if (spec.node * node_ranks - first + node_ranks) * per == len(segment) else 0

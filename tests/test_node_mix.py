@@ -18,7 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from datacache import NodeCache, StreamingDataset, write_dataset
+from datacache._headstart import first_chunks
 from datacache._nodemix import chunk_bounds, chunk_runs, mix_positions
+from datacache._partmix import part_chunk
 from datacache.plan import PlanSpec, build_plan
 from tests.helpers.plans import SETTINGS
 
@@ -85,6 +87,23 @@ def test_when_an_epoch_mixes() -> None:
     # several nodes with placement="global": every node would need every shard
     assert build_plan(counts, replace(spec, dp_size=4, num_nodes=2, placement="global", mix_bytes=1 << 40)).rows is None
     assert build_plan(counts, replace(spec, dp_size=4, num_nodes=2, mix_bytes=1 << 40)).rows is not None
+
+
+@pytest.mark.parametrize("bs, dp, workers", [(32, 1, 2), (8, 2, 3), (100, 1, 4)])
+def test_a_head_plan_has_the_first_chunks_of_the_whole_plan(bs: int, dp: int, workers: int) -> None:
+    """``build_plan(head=...)``, what a worker plans of the others' first chunks (its part mix's
+    lead): the same runs and rows as the whole plan's first chunk, for every consumer."""
+    counts = np.full(30, 200)
+    base = PlanSpec(seed=4, epoch=0, dp_size=dp, num_workers=workers, batch_size=bs, mix_bytes=1 << 40,
+                    mix_from=1, part_bytes=20 * 1000, unit_rows=5, shard_bytes=counts * 1000)
+    head = part_chunk(bs, 1 << 62)
+    for r in range(dp):
+        for w in range(workers):
+            spec = replace(base, dp_rank=r, worker_id=w)
+            whole, prefix = build_plan(counts, spec), build_plan(counts, spec, shards_only=True, head=head)
+            assert whole.parts and prefix.parts and len(prefix) == min(head, len(whole))
+            firsts = [[(shard, rows) for _, shard, _, rows in first_chunks(p, 0, 1)] for p in (whole, prefix)]
+            assert firsts[0] == firsts[1] and firsts[0], (r, w)
 
 
 @pytest.mark.parametrize("length", [1, 2, 3, 5, 64, 1000, 4097])
