@@ -152,7 +152,6 @@ class HeadStart:
                 t.join()
 
 
-
 LeadItem = int | tuple[int, list[int]]  # a shard, or (shard, shard-local rows): a part mix's run
 
 
