@@ -43,20 +43,27 @@ from ._nodemix import FIRST_CHUNK
 from ._nodeorder import memo, readonly
 from ._pieces import Pieces
 
-__all__ = ["PART_BYTES", "PART_WINDOW", "part_mixes", "part_rows", "part_chunk", "part_piece"]
+__all__ = ["MAX_UNIT_SAMPLES", "PART_BYTES", "PART_WINDOW", "part_mixes", "part_rows", "part_chunk", "part_piece"]
 
 PART_BYTES = 1 << 20  # a part's bytes: a dcz block's, by default
 PART_WINDOW = 128  # parts of the node's sliding window: a batch draws from about half as many
 _END_PARTS, _END_SHARE = 96, 0.3  # the epoch's end: 0.3 of the last 96 parts' samples, read last together
+MAX_UNIT_SAMPLES = 32  # part_mixes: a unit (block) of more samples than this is read by the window
 _RAMP0, _RAMP = 2, 8  # the window of the epoch's first parts: part m spreads over 2 + 8 m (the first batch waits for few)
 
 
 def part_mixes(*, shuffle: bool, part_bytes: int, mix_bytes: int, mix_from: int, epoch: int, composed: bool,
-               spread_nodes: bool, share_bytes: int) -> bool:
+               spread_nodes: bool, share_bytes: int, unit_samples: int) -> bool:
     """Whether an epoch is read as a part mix (see the module docstring; the arguments as for
-    ``_nodemix.node_mixes``, and ``part_bytes`` from ``PlanSpec``)."""
+    ``_nodemix.node_mixes``, ``part_bytes`` from ``PlanSpec``, and ``unit_samples``: samples per
+    unit, a dcz block, or per part where the writer recorded none). A part mix spreads each
+    unit's samples over as many batches, and a consumer decompresses the unit for each of them:
+    at most ``MAX_UNIT_SAMPLES`` per unit, else the sliding window reads the epoch (the bench's
+    64 KB samples, 15 a block: cold wall 1.15 x the link; 4 KB samples, 240 a block: 4.5 x,
+    against the window's 1.15 x; ``tools/bench.py --scenario shuffle --size 800MB --sample-bytes
+    4096 --compute 0.002``)."""
     return (shuffle and part_bytes > 0 and mix_bytes > 0 and epoch < mix_from and not composed
-            and not spread_nodes and share_bytes <= mix_bytes)
+            and not spread_nodes and share_bytes <= mix_bytes and unit_samples <= MAX_UNIT_SAMPLES)
 
 
 def part_rows(part_bytes: int, shard_bytes: np.ndarray | None, counts: np.ndarray, unit_rows: int = 0) -> int:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from datacache import NodeCache, StreamingDataset, write_dataset
 from datacache._headstart import first_chunks
 from datacache._nodemix import chunk_bounds, chunk_runs, mix_positions
-from datacache._partmix import part_chunk
+from datacache._partmix import MAX_UNIT_SAMPLES, part_chunk
 from datacache.plan import PlanSpec, build_plan
 from tests.helpers.plans import SETTINGS
 
@@ -89,6 +89,18 @@ def test_when_an_epoch_mixes() -> None:
     assert build_plan(counts, replace(spec, dp_size=4, num_nodes=2, mix_bytes=1 << 40)).rows is not None
 
 
+def test_a_cold_epoch_is_a_part_mix_only_with_small_units() -> None:
+    """``_partmix.part_mixes``: a block of more than ``MAX_UNIT_SAMPLES`` samples (4 KB samples in
+    1 MB blocks: 240) would be decompressed once per sample; the sliding window reads that epoch."""
+    counts = np.full(30, 1000)
+    spec = PlanSpec(seed=4, epoch=0, num_workers=2, batch_size=32, mix_bytes=1 << 40, mix_from=1,
+                    part_bytes=1 << 20, shard_bytes=counts * 4096)
+    assert build_plan(counts, replace(spec, unit_rows=MAX_UNIT_SAMPLES)).parts
+    window = build_plan(counts, replace(spec, unit_rows=MAX_UNIT_SAMPLES + 1))
+    assert not window.parts and window.rows is None
+    assert not build_plan(counts, spec).parts  # no unit recorded: a part's 256 samples
+
+
 @pytest.mark.parametrize("bs, dp, workers", [(32, 1, 2), (8, 2, 3), (100, 1, 4)])
 def test_a_head_plan_has_the_first_chunks_of_the_whole_plan(bs: int, dp: int, workers: int) -> None:
     """``build_plan(head=...)``, what a worker plans of the others' first chunks (its part mix's
@@ -139,9 +151,10 @@ def test_chunks_group_rows_by_shard(counts: list[int], seed: int, chunk: int) ->
 @pytest.fixture(scope="module")
 def sorted_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     url = f"file://{tmp_path_factory.mktemp('mix')}/ds"
+    # blocks of a few samples: a part mix reads units of at most MAX_UNIT_SAMPLES (datacache._partmix)
     m = write_dataset(({"i": i, "x": np.full(64, i, dtype=np.int32)} for i in range(N)), url,
-                      shard_bytes=8000, progress=False)
-    assert len(m.shards) >= 20
+                      shard_bytes=8000, progress=False, writer_options={"block_bytes": 2048})
+    assert len(m.shards) >= 20 and 0 < m.unit_rows <= MAX_UNIT_SAMPLES, m.unit_rows
     return url
 
 
