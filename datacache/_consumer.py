@@ -17,6 +17,7 @@ import logging
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
+from itertools import takewhile
 from typing import Any
 
 import numpy as np
@@ -223,8 +224,8 @@ def _first_chunk(plan: ConsumerPlan, needed: list[int]) -> int:
     runs all start there), else the first run."""
     if not plan.parts or not needed:
         return 1
-    starts = plan.run_starts
-    return sum(1 for r in needed if starts[r] == starts[needed[0]])
+    starts = plan.run_starts  # runs are in chunk order: the first chunk's are a prefix of needed
+    return sum(1 for _ in takewhile(lambda r: starts[r] == starts[needed[0]], needed))
 
 
 class _Run:

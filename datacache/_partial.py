@@ -225,8 +225,9 @@ class PartialShard:
         a cache get); False also while another thread of this process hands the complete copy to
         the cache (the rows are in: read them from ``path``, or, once it is gone, from the cache;
         at the end of a part-mixed epoch, when most shards complete, up to ten threads of a
-        process queued up to 0.1 s each for that hand-over with their rows in). Raises ``PartialGone`` where the copy is gone (read the shard with a cache
-        get), ``IntegrityError`` where it completed and failed the hash, and the fetch's errors."""
+        process queued up to 0.1 s each for that hand-over with their rows in). Raises
+        ``PartialGone`` where the copy is gone (read the shard with a cache get),
+        ``IntegrityError`` where it completed and failed the hash, and the fetch's errors."""
         self._attach(fetch)
         assert self.layout is not None
         units = [u for u in self.layout.units_of_rows(rows) if not self.filled(u)]
