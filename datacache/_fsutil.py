@@ -14,11 +14,12 @@ from typing import Any, Callable
 
 from .config import TransferConfig
 
-__all__ = ["S3", "abandon_inherited", "botocore_loader", "fs_options", "replace_local", "read_parts"]
+__all__ = ["S3", "abandon_inherited", "fs_options", "replace_local", "read_parts", "shared_loader"]
 
 S3 = {"s3", "s3a"}
 _NO_LISTING_CACHE = S3 | {"gs", "gcs", "abfs", "az", "http", "https"}
 _inherited: list[Any] = []  # the parent's filesystem objects, kept alive (never closed) in a child
+_loader: list[Any] = []  # shared_loader's, once made (a child inherits it)
 
 
 def abandon_inherited(fs: Any) -> None:
@@ -32,13 +33,15 @@ def abandon_inherited(fs: Any) -> None:
             fin.detach()
 
 
-def botocore_loader(fs: Any) -> Any:
-    """The botocore data loader of an s3fs filesystem's session (pure data, safe to share after fork)."""
-    session = getattr(fs, "session", None)
-    try:
-        return session.get_component("data_loader") if session is not None else None
-    except Exception:  # noqa: BLE001 - not a botocore session
-        return None
+def shared_loader() -> Any:
+    """This process's one botocore data loader (pure data, its parsed service models cached;
+    safe to share across threads and after fork), created on first use. No lock (a child could
+    inherit it held): two threads racing here each make one, and both use the first kept."""
+    if not _loader:
+        import botocore.loaders
+
+        _loader.append(botocore.loaders.create_loader())
+    return _loader[0]
 
 
 def fs_options(protocol: str, storage_options: dict | None, transfer: TransferConfig,
