@@ -235,10 +235,12 @@ class SeaweedServer:
         )
         last = "no answer yet"
         delay = 0.1
-        while time.monotonic() < deadline:
+        while True:  # the process is polled at least once, even past the deadline (a loaded machine)
             assert self._proc is not None
             if self._proc.poll() is not None:
                 return False, f"weed exited with status {self._proc.returncode}"
+            if time.monotonic() >= deadline:
+                return False, last
             try:
                 client.head_bucket(Bucket=self.bucket)
                 return True, ""
@@ -252,7 +254,6 @@ class SeaweedServer:
                         last = f"create_bucket: {type(cexc).__name__}: {cexc}"
             time.sleep(delay)
             delay = min(delay * 1.5, 1.0)
-        return False, last
 
     def _log_tail(self, n: int = 40) -> str:
         try:
