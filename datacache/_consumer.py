@@ -8,7 +8,9 @@ block decompressed once) and unpins them. The consumer then walks the plan's ste
 shuffled order while at most ``window`` runs are open. A node-mixed plan's run (``datacache._nodemix``)
 is one shard's rows of one chunk, read with ``read_rows``; its step yields the whole chunk once every
 run of the chunk is open. A part mix's run (``datacache._partmix``) is the same, its rows loaded
-into the shard's partial copy (``ShardSource.load_rows``) rather than the whole shard fetched. Not thread-safe: one consumer per thread.
+into the shard's partial copy (``ShardSource.load_rows``) rather than the whole shard fetched, and
+each unit (dcz block) loaded and read once, by the first run that reaches it, for every later run
+of this consumer too (``datacache._stash``). Not thread-safe: one consumer per thread.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from .plan import ConsumerPlan
 from .prefetch import Prefetcher
 from .shards import PartHandle, ShardSource
 from ._headstart import Lead, LeadItem
+from ._stash import Stash, read_plan
 from ._worker import parent_gone
 
 __all__ = ["Consumer"]
@@ -68,6 +71,11 @@ class Consumer:
         self._name = name
         self._skipped: set[int] = set()
         self._first = _first_chunk(plan, self.needed)
+        # A part mix: the rows each needed run loads and reads (``datacache._stash``), by position.
+        self._reads = read_plan([plan.runs[r][0] for r in self.needed], [plan.rows[r] for r in self.needed],
+                                plan.unit_rows, alone=self._first) if plan.parts and plan.rows is not None else None
+        self._position = {r: i for i, r in enumerate(self.needed)}
+        self._stash = Stash()  # the decode thread's
         # A part mix's slow start (``PrefetchConfig.slow_start``; its prefetcher starts every run
         # of the first chunk at once): the lookahead waits until the first chunk is in.
         self._first_left = self._first if plan.parts and prefetch.slow_start else 0
@@ -94,9 +102,9 @@ class Consumer:
     def _size_of(self, item: tuple[int, int]) -> int:
         """The bytes the load of (position, shard) brings: the shard's, or a part mix's rows' share."""
         info = self.manifest.shards[item[1]]
-        if not self.plan.parts or self.plan.rows is None:
+        if self._reads is None:
             return info.bytes
-        return -(-info.bytes * len(self.plan.rows[self.needed[item[0]]]) // max(info.samples, 1))
+        return -(-info.bytes * len(self._reads[item[0]]) // max(info.samples, 1))
 
     def _load(self, item: tuple[int, int]) -> CacheHandle | PartHandle:
         """Get (position in the plan, shard) into the cache (a part mix's run: its rows, into the
@@ -118,8 +126,10 @@ class Consumer:
                     self._first_in.set()
 
     def _get(self, position: int, shard: int, use_at: float) -> CacheHandle | PartHandle:
-        if self.plan.parts and self.plan.rows is not None:
-            return self.source.load_rows(shard, self.plan.rows[self.needed[position]].tolist(), priority=position,
+        if self._reads is not None:
+            if not len(self._reads[position]):  # all its rows come from earlier runs' reads
+                return PartHandle("")
+            return self.source.load_rows(shard, self._reads[position].tolist(), priority=position,
                                          use_at=use_at, cancelled=self._cancelled)
         return self.source.fetch(shard, priority=position, use_at=use_at, cancelled=self._cancelled)
 
@@ -137,6 +147,8 @@ class Consumer:
             return _Run(lo, None)
         try:
             rows = None if self.plan.rows is None else self.plan.rows[run]
+            if self._reads is not None and rows is not None:
+                return _Run(lo, self._part_samples(shard, handle, lo, rows, self._reads[self._position[run]]))
             return _Run(lo, self._read(shard, handle, lo, hi, rows))
         finally:
             # Decoded samples own their memory, so the shard is unpinned at once: pins stay within
@@ -183,6 +195,40 @@ class Consumer:
             self._skip(shard, err)
             return None
 
+    def _part_samples(self, shard: int, handle: CacheHandle | PartHandle, lo: int, rows: np.ndarray,
+                      reads: np.ndarray) -> dict[int, Any] | None:
+        """A part mix's run (decode thread): its ``reads`` read (``datacache._stash``: its own rows
+        and the later runs' rows of the parts it leads, which go to the stash), its other rows
+        taken from the stash. Rows the stash lacks (their leader's shard was skipped) are loaded
+        and read here. By row - lo, as ``_read``; None if the shard is skipped."""
+        got = self._read(shard, handle, lo, lo, reads) if len(reads) else {}
+        if not isinstance(got, dict):
+            return None
+        own = rows.tolist()
+        mine = set(own)
+        for r in reads.tolist():
+            if r not in mine:
+                self._stash.put(shard, r, got.pop(r - lo))
+        rest = []
+        for r in own:
+            if r - lo not in got:
+                try:
+                    got[r - lo] = self._stash.take(shard, r)
+                except KeyError:
+                    rest.append(r)
+        if rest:
+            if shard in self._skipped:
+                return None
+            extra = self.source.load_rows(shard, rest, cancelled=self._cancelled)
+            try:
+                more = self._read(shard, extra, lo, lo, np.asarray(rest))
+            finally:
+                extra.release()
+            if not isinstance(more, dict):
+                return None
+            got.update(more)
+        return got
+
     def _skip(self, shard: int, err: BaseException) -> None:
         """on_error="skip": count the shard (``stats()["skipped_shards"]``) and warn, once per shard."""
         if shard in self._skipped:
@@ -211,6 +257,7 @@ class Consumer:
             lead.close()
         self.prefetcher.close()
         self.decoder.close()
+        self._stash.clear()
         if self.plan.parts:
             self.source.forget_parts()
 

@@ -20,7 +20,9 @@ class ConsumerPlan:
     ``samples``/``run_of``: global sample id and run of each read position (``None`` for a
     shards-only plan). ``padded``: repeats added to this epoch across all ranks. ``rows``: the
     rows each run reads (a mixed plan's). ``parts``: a part mix's plan, whose runs are read part by
-    part (``ShardSource.load_rows``) rather than as whole shards.
+    part (``ShardSource.load_rows``) rather than as whole shards; ``unit_rows``: its samples read
+    together, the shard-local rows ``k * unit_rows .. (k + 1) * unit_rows - 1`` (a dcz block's
+    where the writer recorded them, else a part's; ``datacache._stash``).
     """
 
     runs: list[tuple[int, int, int]]
@@ -33,6 +35,7 @@ class ConsumerPlan:
     run_starts: np.ndarray
     rows: list[np.ndarray] | None = None
     parts: bool = False
+    unit_rows: int = 0
 
     def __len__(self) -> int:
         return self.length

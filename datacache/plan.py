@@ -365,10 +365,11 @@ def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int,
     bounds = _worker_bounds(per, spec.num_workers, spec.batch_size)
     lo, hi = rank_start + bounds[spec.worker_id], rank_start + min(bounds[spec.worker_id + 1], per)
     hi = hi if head is None else min(hi, lo + max(0, head))
-    chunk = chunk_samples(spec.chunk_bytes, spec.shard_bytes, counts)
+    chunk, rows = chunk_samples(spec.chunk_bytes, spec.shard_bytes, counts), 0
     if parts:  # the padding repeats end the segment: where the block does, its last ``padded``
         pad = padded if (spec.node * node_ranks - first + node_ranks) * per == len(segment) else 0
-        piece = part_piece(block, offsets, lo, hi, rows=part_rows(spec.part_bytes, spec.shard_bytes, counts, spec.unit_rows),
+        rows = part_rows(spec.part_bytes, spec.shard_bytes, counts, spec.unit_rows)
+        piece = part_piece(block, offsets, lo, hi, rows=rows,
                            window=PART_WINDOW, seed=spec.seed, epoch=spec.epoch, node=spec.node,
                            node_ranks=node_ranks, per=per, bounds=bounds, batch_size=spec.batch_size,
                            pad=min(pad, len(block)))
@@ -379,7 +380,7 @@ def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int,
     c = chunk_runs(piece, offsets, chunk)
     samples, run_of = (None, None) if shards_only else (piece, c["run_of"])
     return ConsumerPlan(c["runs"], c["steps"], samples, run_of, len(piece), c["window"], padded, c["starts"],
-                        rows=c["rows"], parts=parts)
+                        rows=c["rows"], parts=parts, unit_rows=min(rows, spec.unit_rows or rows))
 
 
 def remainder_order(counts: np.ndarray, spec: PlanSpec, consumed: list[int],

@@ -1,0 +1,83 @@
+"""A part-mixed consumer reads each part once (``read_plan``, ``Stash``). Pure function and a
+class used by one thread.
+
+In a part mix (``datacache._partmix``) a consumer's batch draws one or two samples from each of
+about 64 parts, so a part's samples for this consumer lie in many of its runs, and a run is
+mostly one sample. Loaded and read run by run, each sample cost a ``load_rows`` and a
+``read_rows`` of its own (and, in a compressed block, a decompression of the block): the 200,000
+x 4 KB bench case spent minutes of CPU on it. Instead the first run of this consumer that reaches
+a unit (a dcz block; its *leader*) loads and reads all of the consumer's rows of that unit at
+once, and keeps those of later runs in a ``Stash`` until their runs come (the leader loads that
+unit anyway, so no byte is fetched earlier; the first chunk's runs read only their own rows). The stash holds at most the
+consumer's rows of the parts it has reached and not used up: the node's sliding window of parts
+(about ``PART_WINDOW / 2`` parts' samples across the node's consumers), plus the epoch's end
+share; samples are copied in, so no block's buffer or shard map outlives its read.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Stash", "read_plan"]
+
+
+def read_plan(shards: list[int], rows: list[np.ndarray], unit_rows: int, *, alone: int = 0) -> list[np.ndarray]:
+    """The rows each run loads and reads, for runs in reading order (``shards[i]``, ``rows[i]``:
+    run ``i``'s shard and rows): all of the runs' rows of the units (``row // unit_rows`` of a
+    shard) that run ``i`` is the first to reach. A run's own rows that are not in its list come
+    from an earlier run's read (``Stash``). The first ``alone`` runs (the first chunk: the first
+    batch waits for them) read their own rows only. ``unit_rows`` < 1: each run reads its own."""
+    own = [np.asarray(r, dtype=np.int64) for r in rows[:alone]]
+    rows = rows[alone:]
+    if unit_rows < 1 or not rows:
+        return own + [np.asarray(r, dtype=np.int64) for r in rows]
+    sizes = np.array([len(r) for r in rows], dtype=np.int64)
+    run = np.repeat(np.arange(len(rows), dtype=np.int64), sizes)
+    flat = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])
+    key = (np.repeat(np.asarray(shards[alone:], dtype=np.int64), sizes) << 32) | (flat // unit_rows)
+    _, inverse = np.unique(key, return_inverse=True)
+    leader = np.full(int(inverse.max()) + 1 if len(inverse) else 0, len(rows), dtype=np.int64)
+    np.minimum.at(leader, inverse, run)
+    lead = leader[inverse]  # per row: the run that reads it
+    order = np.lexsort((flat, lead))
+    cuts = np.searchsorted(lead[order], np.arange(len(rows) + 1))
+    return own + [flat[order[cuts[i]:cuts[i + 1]]] for i in range(len(rows))]
+
+
+class Stash:
+    """Samples read ahead of their run, by (shard, row): ``put`` by a leader's read, ``take``
+    once by the run that needs them. Counts its bytes (``nbytes``, of the samples' buffers). Not
+    thread-safe: the consumer's decode thread alone uses it."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[int, int], tuple[Any, int]] = {}
+        self.nbytes = 0
+
+    def put(self, shard: int, row: int, sample: Any) -> None:
+        """Keep ``sample`` (a copy that owns its memory) for its run."""
+        own = copy.deepcopy(sample)
+        size = _nbytes(own)
+        self._held[(shard, row)] = (own, size)
+        self.nbytes += size
+
+    def take(self, shard: int, row: int) -> Any:
+        """The kept sample, removed from the stash; ``KeyError`` if none is kept."""
+        sample, size = self._held.pop((shard, row))
+        self.nbytes -= size
+        return sample
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def clear(self) -> None:
+        self._held.clear()
+        self.nbytes = 0
+
+
+def _nbytes(sample: Any) -> int:
+    """The bytes of a sample's fields (arrays, bytes, strings), roughly; 0 for what has none."""
+    if isinstance(sample, dict):
+        return sum(_nbytes(v) for v in sample.values())
+    return int(getattr(sample, "nbytes", 0) or (len(sample) if isinstance(sample, (bytes, str)) else 0))

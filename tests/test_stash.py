@@ -1,0 +1,73 @@
+"""A part-mixed consumer reads each unit once (``datacache._stash``): every run's rows are read
+exactly once, by the first run that reaches their unit, never later than their own run; the first
+chunk's runs read only their own rows; the stash gives each kept sample back once, as a copy."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from datacache._stash import Stash, read_plan
+
+
+def _random_runs(seed: int, runs: int = 300, shards: int = 7, rows: int = 500) -> tuple[list[int], list[np.ndarray]]:
+    """Runs as a part mix has them: a shard and a few distinct rows each, every row once."""
+    rng = np.random.default_rng(seed)
+    pool = [(s, r) for s in range(shards) for r in rng.permutation(rows)[: rows // 2]]
+    order = rng.permutation(len(pool))
+    cuts = np.sort(rng.choice(np.arange(1, len(pool)), runs - 1, replace=False))
+    out_s, out_r = [], []
+    for part in np.split(order, cuts):  # a run: one shard's rows of a stretch of the order
+        s = pool[int(part[0])][0]
+        out_s.append(s)
+        out_r.append(np.array(sorted({pool[int(i)][1] for i in part if pool[int(i)][0] == s}), dtype=np.int64))
+    return out_s, out_r
+
+
+@pytest.mark.parametrize("seed, unit, alone", [(0, 16, 0), (1, 16, 5), (2, 1, 0), (3, 240, 3), (4, 0, 0)])
+def test_every_row_is_read_once_by_the_first_run_that_reaches_its_unit(seed: int, unit: int, alone: int) -> None:
+    shards, rows = _random_runs(seed)
+    reads = read_plan(shards, rows, unit, alone=alone)
+    assert len(reads) == len(rows)
+    read_by: dict[tuple[int, int], int] = {}
+    for i, (s, got) in enumerate(zip(shards, reads)):
+        assert list(got) == sorted(set(got.tolist())), "a run's reads are sorted and distinct"
+        for r in got.tolist():
+            assert (s, r) not in read_by, f"row {r} of shard {s} read twice"
+            read_by[(s, r)] = i
+    wanted = {(s, r): i for i, (s, rs) in enumerate(zip(shards, rows)) for r in rs.tolist()}
+    assert read_by.keys() == wanted.keys(), "every row is read, and only the runs' rows"
+    for key, i in wanted.items():
+        assert read_by[key] <= i, "a row is read no later than its own run"
+        if i < alone:
+            assert read_by[key] == i, "the first chunk's runs read their own rows"
+    if unit > 0:
+        first: dict[tuple[int, int], int] = {}
+        for i, (s, rs) in enumerate(zip(shards, rows)):
+            if i >= alone:
+                for r in rs.tolist():
+                    first.setdefault((s, r // unit), i)
+        for (s, r), i in read_by.items():
+            if wanted[(s, r)] >= alone:
+                assert i == first[(s, r // unit)], "read by the first run that reaches its unit"
+    else:
+        assert all(np.array_equal(a, b) for a, b in zip(reads, rows)), "no unit: each run reads its own"
+
+
+def test_a_unit_read_ahead_saves_loads() -> None:
+    """With 240-sample units (the 200,000 x 4 KB case), most runs read nothing themselves."""
+    shards, rows = _random_runs(5, runs=2000, shards=4, rows=2000)
+    reads = read_plan(shards, rows, 240)
+    assert sum(1 for r in reads if len(r)) < len(reads) / 4
+
+
+def test_the_stash_gives_each_sample_back_once_as_its_own_copy() -> None:
+    stash = Stash()
+    block = np.arange(64, dtype=np.uint8)
+    stash.put(3, 10, {"x": block[8:16], "i": 10})
+    block[8:16] = 0  # the block's buffer is reused for the next block
+    assert stash.nbytes == 8 and len(stash) == 1
+    got = stash.take(3, 10)
+    assert got["i"] == 10 and got["x"].tolist() == list(range(8, 16))
+    assert stash.nbytes == 0 and len(stash) == 0
+    with pytest.raises(KeyError):
+        stash.take(3, 10)
