@@ -74,7 +74,7 @@ class Consumer:
         # A part mix: the rows each needed run loads and reads (``datacache._stash``), by position.
         self._reads = read_plan([plan.runs[r][0] for r in self.needed], [plan.rows[r] for r in self.needed],
                                 plan.unit_rows, alone=self._first) if plan.parts and plan.rows is not None else None
-        self._position = {r: i for i, r in enumerate(self.needed)}
+        self._position = {r: i for i, r in enumerate(self.needed)} if self._reads is not None else {}
         self._stash = Stash()  # the decode thread's
         # A part mix's slow start (``PrefetchConfig.slow_start``; its prefetcher starts every run
         # of the first chunk at once): the lookahead waits until the first chunk is in.

@@ -1,17 +1,18 @@
-"""A part-mixed consumer reads each part once (``read_plan``, ``Stash``). Pure function and a
+"""A part-mixed consumer reads each unit once (``read_plan``, ``Stash``). Pure function and a
 class used by one thread.
 
 In a part mix (``datacache._partmix``) a consumer's batch draws one or two samples from each of
-about 64 parts, so a part's samples for this consumer lie in many of its runs, and a run is
+about 64 parts, so a unit's samples for this consumer lie in many of its runs, and a run is
 mostly one sample. Loaded and read run by run, each sample cost a ``load_rows`` and a
 ``read_rows`` of its own (and, in a compressed block, a decompression of the block): the 200,000
 x 4 KB bench case spent minutes of CPU on it. Instead the first run of this consumer that reaches
 a unit (a dcz block; its *leader*) loads and reads all of the consumer's rows of that unit at
-once, and keeps those of later runs in a ``Stash`` until their runs come (the leader loads that
-unit anyway, so no byte is fetched earlier; the first chunk's runs read only their own rows). The stash holds at most the
-consumer's rows of the parts it has reached and not used up: the node's sliding window of parts
-(about ``PART_WINDOW / 2`` parts' samples across the node's consumers), plus the epoch's end
-share; samples are copied in, so no block's buffer or shard map outlives its read.
+once, and keeps those of later runs in a ``Stash`` until their runs come. The leader loads that
+unit anyway, so no byte is fetched earlier; the first chunk's runs read only their own rows.
+The stash holds at most the consumer's rows of the units it has reached and not used up: across
+the node, the sliding window of parts (about ``PART_WINDOW / 2`` parts' samples over the node's
+consumers) plus the epoch's end share. Samples are copied in, so no block's buffer or shard map
+outlives its read.
 """
 from __future__ import annotations
 

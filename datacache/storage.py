@@ -144,7 +144,7 @@ class Store:
     def _session(self) -> dict[str, Any]:
         """For s3: a new botocore session on the process's one data loader (``_fsutil.shared_loader``,
         inherited across fork), so that the service models are parsed once per process, not once
-        per store: a store's first request took 0.21 s here, 0.07 s with it (a mix opens a store
+        per store: a store's first request took 0.21 s here, 0.09 s with it (a mix opens a store
         per stream, a DataLoader worker its own). Credentials and clients stay each store's own."""
         if self.protocol not in S3 or "session" in self._options:
             return {}
