@@ -10,7 +10,8 @@ is one shard's rows of one chunk, read with ``read_rows``; its step yields the w
 run of the chunk is open. A part mix's run (``datacache._partmix``) is the same, its rows loaded
 into the shard's partial copy (``ShardSource.load_rows``) rather than the whole shard fetched, and
 each unit (dcz block) loaded and read once, by the first run that reaches it, for every later run
-of this consumer too (``datacache._stash``). Not thread-safe: one consumer per thread.
+of this consumer too (``datacache._stash``): a run with nothing left to read skips both stages,
+its samples taken from the stash in the consumer's thread. Not thread-safe: one consumer per thread.
 """
 from __future__ import annotations
 
@@ -75,7 +76,12 @@ class Consumer:
         self._reads = read_plan([plan.runs[r][0] for r in self.needed], [plan.rows[r] for r in self.needed],
                                 plan.unit_rows, alone=self._first) if plan.parts and plan.rows is not None else None
         self._position = {r: i for i, r in enumerate(self.needed)} if self._reads is not None else {}
-        self._stash = Stash()  # the decode thread's
+        # The runs (positions) that read: a part mix's followers (all rows read by earlier runs)
+        # never reach the stages; the consumer takes their samples from the stash itself.
+        leading = list(range(len(self.needed))) if self._reads is None else \
+            [i for i, reads in enumerate(self._reads) if len(reads)]
+        self._follows = set(range(len(self.needed))).difference(leading) if self._reads is not None else set()
+        self._stash = Stash()  # filled by the decode thread, emptied by the consumer's
         # A part mix's slow start (``PrefetchConfig.slow_start``; its prefetcher starts every run
         # of the first chunk at once): the lookahead waits until the first chunk is in.
         self._first_left = self._first if plan.parts and prefetch.slow_start else 0
@@ -92,11 +98,11 @@ class Consumer:
                        for items, p in ((lead[0], -1.0), (lead[1], self._first - 0.5))]
         # Stage 1: shards into the cache, far ahead (network-bound, adaptive, byte-bounded).
         self.prefetcher: Prefetcher[tuple[int, int], CacheHandle | PartHandle] = Prefetcher(
-            list(enumerate(plan.runs[r][0] for r in self.needed)), self._load, size_of=self._size_of,
+            [(i, plan.runs[self.needed[i]][0]) for i in leading], self._load, size_of=self._size_of,
             release=lambda handle: handle.release(), config=prefetch, name=name)
         # Stage 2: the next runs decoded while the current step is consumed.
         self.decoder: Prefetcher[int, _Run] = Prefetcher.bounded(
-            self.needed, self._decode, ahead=_DECODE_AHEAD, release=_Run.release, name=f"{name}-decode")
+            [self.needed[i] for i in leading], self._decode, ahead=_DECODE_AHEAD, release=_Run.release, name=f"{name}-decode")
         self.consumed = skip
 
     def _size_of(self, item: tuple[int, int]) -> int:
@@ -127,8 +133,6 @@ class Consumer:
 
     def _get(self, position: int, shard: int, use_at: float) -> CacheHandle | PartHandle:
         if self._reads is not None:
-            if not len(self._reads[position]):  # all its rows come from earlier runs' reads
-                return PartHandle("")
             return self.source.load_rows(shard, self._reads[position].tolist(), priority=position,
                                          use_at=use_at, cancelled=self._cancelled)
         return self.source.fetch(shard, priority=position, use_at=use_at, cancelled=self._cancelled)
@@ -168,7 +172,7 @@ class Consumer:
         try:
             for i in range(len(steps) - 1):
                 if i in needed:
-                    open_runs[i] = self.decoder.take()
+                    open_runs[i] = self._open(i)
                 for p in range(max(steps[i], self.skip), steps[i + 1]):
                     samples = open_runs[run_of[p]].samples
                     self.consumed = p + 1
@@ -181,6 +185,16 @@ class Consumer:
             for r in open_runs.values():
                 r.release()
             self.close()
+
+    def _open(self, run: int) -> "_Run":
+        """Run ``run``'s samples (the consumer's thread): from the decode stage, or for a part
+        mix's follower from the stash, which its leaders (earlier runs, so taken from the decode
+        stage already) have filled."""
+        if self._position.get(run, -1) not in self._follows:
+            return self.decoder.take()
+        shard, lo, _ = self.plan.runs[run]
+        assert self.plan.rows is not None
+        return _Run(lo, self._part_samples(shard, None, lo, self.plan.rows[run], self._reads[self._position[run]]))
 
     def _read(self, shard: int, handle: CacheHandle, lo: int, hi: int,
               rows: np.ndarray | None) -> list[Any] | dict[int, Any] | None:
@@ -195,13 +209,14 @@ class Consumer:
             self._skip(shard, err)
             return None
 
-    def _part_samples(self, shard: int, handle: CacheHandle | PartHandle, lo: int, rows: np.ndarray,
+    def _part_samples(self, shard: int, handle: CacheHandle | PartHandle | None, lo: int, rows: np.ndarray,
                       reads: np.ndarray) -> dict[int, Any] | None:
-        """A part mix's run (decode thread): its ``reads`` read (``datacache._stash``: its own rows
-        and the later runs' rows of the parts it leads, which go to the stash), its other rows
-        taken from the stash. Rows the stash lacks (their leader's shard was skipped) are loaded
-        and read here. By row - lo, as ``_read``; None if the shard is skipped."""
-        got = self._read(shard, handle, lo, lo, reads) if len(reads) else {}
+        """A part mix's run: its ``reads`` read from ``handle`` (a leader, on the decode thread;
+        ``datacache._stash``: its own rows and the later runs' rows of the units it leads, which go
+        to the stash), its other rows taken from the stash (a follower, ``reads`` empty and no
+        handle: on the consumer's thread). Rows the stash lacks (their leader's shard was skipped)
+        are loaded and read here. By row - lo, as ``_read``; None if the shard is skipped."""
+        got = self._read(shard, handle, lo, lo, reads) if handle is not None and len(reads) else {}
         if not isinstance(got, dict):
             return None
         own = rows.tolist()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -260,10 +260,12 @@ def decode_sample(buf: bytes | memoryview, schema: Schema) -> Sample:
 _FIXED_KINDS = {"int": "<i8", "float": "<f8"}
 
 
-def decode_uniform(block: memoryview, offset: int, length: int, count: int, schema: Schema) -> list[Sample] | None:
+def decode_uniform(block: memoryview, offset: int, length: int, count: int, schema: Schema,
+                   pick: Sequence[int] | None = None) -> list[Sample] | None:
     """Decode ``count`` consecutive samples of ``length`` bytes each from ``block[offset:]`` at
     once, or None when that fast path does not apply (a bytes/str field, or samples whose field
-    sizes or array headers differ; decode them one by one then).
+    sizes or array headers differ; decode them one by one then). ``pick``: only the samples at
+    these positions (0 .. count - 1, in this order), all ``count`` checked.
 
     The result is exactly what :func:`decode_sample` gives for each sample: sample 0 is decoded
     (and validated) normally, and every other sample is checked to carry byte-identical length
@@ -283,15 +285,17 @@ def decode_uniform(block: memoryview, offset: int, length: int, count: int, sche
             return None
         pos += 8 + size
         spans.append((field, kind, start, pos))
+    at = range(count) if pick is None else pick
     columns: list[list[Any]] = []
     for field, kind, start, end in spans:
         if kind == "ndarray":
             v0 = first[field]
             col = rows[:, start:end].view(v0.dtype) if end > start else np.empty((count, 0), v0.dtype)
             col = col.reshape(count, *v0.shape)
-            columns.append(list(col) if v0.ndim else [col[i, ...] for i in range(count)])  # 0-d stay arrays
+            columns.append(list(col) if pick is None and v0.ndim else [col[i, ...] for i in at])  # views; 0-d stay arrays
         else:
-            columns.append(rows[:, start:end].view(_FIXED_KINDS[kind]).reshape(count).tolist())
+            values = rows[:, start:end].view(_FIXED_KINDS[kind]).reshape(count).tolist()
+            columns.append(values if pick is None else [values[i] for i in at])
     names = list(schema)
     return [dict(zip(names, values)) for values in zip(*columns)]
 

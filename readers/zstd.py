@@ -312,15 +312,23 @@ class ZstdShardReader(_BaseReader):
         return self._decode(memoryview(self._block(block)), offset, length, index)
 
     def _get_many(self, indices: list[int]) -> list[Sample]:
-        """Sorted ``indices``: the block of each found at once, each block decoded once."""
-        blocks = (np.searchsorted(self._first, indices, side="right") - 1).tolist()
-        spans = self._samples[indices].tolist()
+        """Sorted ``indices``: the block of each found at once, each block decoded once, and a
+        block's several samples at once where their span is uniform (``_uniform``)."""
         out: list[Sample] = []
-        data, current = memoryview(b""), -1
-        for index, block, (offset, length) in zip(indices, blocks, spans):
-            if block != current:
-                data, current = memoryview(self._block(block)), block
-            out.append(self._decode(data, offset, length, index))
+        if not indices:
+            return out
+        blocks = np.searchsorted(self._first, indices, side="right") - 1
+        cuts = np.flatnonzero(np.diff(blocks)) + 1
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(indices)]):
+            data = memoryview(self._block(int(blocks[lo])))
+            first, last = indices[lo], indices[hi - 1]
+            fast = self._uniform(data, self._samples[first:last + 1], [i - first for i in indices[lo:hi]]) \
+                if hi - lo > 1 else None
+            if fast is not None:
+                out += fast
+                continue
+            for index, (offset, length) in zip(indices[lo:hi], self._samples[indices[lo:hi]].tolist()):
+                out.append(self._decode(data, offset, length, index))
         return out
 
     def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:
@@ -338,16 +346,17 @@ class ZstdShardReader(_BaseReader):
                     yield self._decode(data, offset, length, j)
             i, block = end, block + 1
 
-    def _uniform(self, data: memoryview, rows: np.ndarray) -> list[Sample] | None:
-        """The samples of ``rows`` (consecutive, in one block) decoded at once, if they are
-        equal-sized with identical layouts (see :func:`readers.codec.decode_uniform`)."""
+    def _uniform(self, data: memoryview, rows: np.ndarray, pick: list[int] | None = None) -> list[Sample] | None:
+        """The samples of ``rows`` (consecutive, in one block; ``pick``: only those at these
+        positions of ``rows``) decoded at once, if they are equal-sized with identical layouts
+        (see :func:`readers.codec.decode_uniform`)."""
         if len(rows) < 2 or not (rows[:, 1] == rows[0, 1]).all():
             return None
         offset, length = int(rows[0, 0]), int(rows[0, 1])
         if not (rows[:, 0] == offset + length * np.arange(len(rows), dtype=np.uint64)).all():
             return None
         try:
-            return decode_uniform(data, offset, length, len(rows), self.schema or {})
+            return decode_uniform(data, offset, length, len(rows), self.schema or {}, pick)
         except ReaderError:
             return None  # sample by sample, for the error naming the sample
 

@@ -85,13 +85,17 @@ def _tiny() -> SampleSet:
     return {"k": "int"}, [{"k": i} for i in range(3000)]
 
 
+def _uniform() -> SampleSet:  # equal-sized samples: the zstd reader decodes a block's at once
+    return {"x": "ndarray", "i": "int"}, [{"x": np.full(16, k % 251, np.uint8), "i": k} for k in range(300)]
+
+
 def _empty() -> SampleSet:
     return {"x": "bytes"}, []
 
 
 SAMPLE_SETS: dict[str, Callable[[], SampleSet]] = {
     "mixed": _mixed, "empty_fields": _empty_fields, "large": _large, "arrays": _arrays,
-    "single": _single, "tiny": _tiny, "empty": _empty}
+    "single": _single, "tiny": _tiny, "uniform": _uniform, "empty": _empty}
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -169,7 +173,7 @@ def test_roundtrip(fmt: str, set_name: str, tmp_path: Any) -> None:
             stop = rng.randint(start, n)
             assert_samples(list(reader.iter_range(start, stop)), samples[start:stop])
         assert list(reader.iter_range(n, n)) == [] and list(reader.iter_range(n, 0)) == []
-        for k in (1, 3, n):  # many sorted indices at once (a node mix's rows): what get returns
+        for k in (1, 3, n // 3, n):  # many sorted indices at once (a node mix's rows): what get returns
             rows = sorted(rng.sample(range(n), min(n, k)))
             assert_samples(reader.get_many(rows), [samples[i] for i in rows])
         assert reader.get_many([]) == []
@@ -386,6 +390,8 @@ def test_zstd_hypothesis_roundtrip(data: st.DataObject, schema: dict[str, str],
             if samples:
                 i = data.draw(st.integers(0, len(samples) - 1))
                 assert_sample(reader.get(i), samples[i])
+                rows = sorted(set(data.draw(st.lists(st.integers(0, len(samples) - 1)))))
+                assert_samples(reader.get_many(rows), [samples[r] for r in rows])
 
 
 @settings(max_examples=80, deadline=None)

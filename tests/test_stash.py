@@ -1,11 +1,17 @@
 """A part-mixed consumer reads each unit once (``datacache._stash``): every run's rows are read
 exactly once, by the first run that reaches their unit, never later than their own run; the first
-chunk's runs read only their own rows; the stash gives each kept sample back once, as a copy."""
+chunk's runs read only their own rows; the stash gives each kept sample back once, as a copy; a
+missing shard is skipped by its leaders and followers alike."""
 from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from datacache import NodeCache, StreamingDataset, write_dataset
 from datacache._stash import Stash, read_plan
 
 
@@ -71,3 +77,26 @@ def test_the_stash_gives_each_sample_back_once_as_its_own_copy() -> None:
     assert stash.nbytes == 0 and len(stash) == 0
     with pytest.raises(KeyError):
         stash.take(3, 10)
+
+
+@pytest.mark.timeout(180)
+def test_a_part_mix_skips_a_missing_shard_and_delivers_every_other_sample_once(tmp_path: Path,
+                                                                               cache: NodeCache) -> None:
+    """on_error="skip" in a part-mixed cold epoch: the runs that lead a missing shard's units fail
+    and skip it; its followers, whose rows the stash never got, skip it too (the consumer's own
+    thread), with one warning; every sample of the other shards comes once."""
+    n = 1200
+    url = f"file://{tmp_path}/ds"
+    m = write_dataset(({"i": i, "x": np.full(64, i, dtype=np.int32)} for i in range(n)), url,
+                      shard_bytes=8000, progress=False, writer_options={"block_bytes": 2048})
+    victim = 3
+    os.unlink(os.path.join(tmp_path, "ds", m.shards[victim].name))
+    ds = StreamingDataset(url, cache=cache, seed=1, on_error="skip")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ids = sorted(int(s["i"]) for s in ds)
+    lo, hi = m.offsets[victim], m.offsets[victim + 1]
+    assert ids == [i for i in range(n) if not lo <= i < hi], "every other sample, once"
+    assert len([w for w in caught if "skipping shard" in str(w.message)]) == 1
+    assert ds.stats()["partial_bytes"] > 0 and ds.stats()["skipped_shards"] == 1, "a part mix, one shard skipped"
+    ds.close()
