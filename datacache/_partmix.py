@@ -43,30 +43,27 @@ from ._nodemix import FIRST_CHUNK
 from ._nodeorder import memo, readonly
 from ._pieces import Pieces
 
-__all__ = ["MAX_UNIT_SAMPLES", "PART_BYTES", "PART_WINDOW", "part_mixes", "part_rows", "part_chunk", "part_piece"]
+__all__ = ["PART_BYTES", "PART_WINDOW", "part_mixes", "part_rows", "part_chunk", "part_piece"]
 
 PART_BYTES = 1 << 20  # a part's bytes: a dcz block's, by default
 PART_WINDOW = 128  # parts of the node's sliding window: a batch draws from about half as many
 _END_PARTS, _END_SHARE = 96, 0.3  # the epoch's end: 0.3 of the last 96 parts' samples, read last together
-MAX_UNIT_SAMPLES = 32  # part_mixes: a unit (block) of more samples than this is read by the window
 _RAMP0, _RAMP = 2, 8  # the window of the epoch's first parts: part m spreads over 2 + 8 m (the first batch waits for few)
 
 
 def part_mixes(*, shuffle: bool, part_bytes: int, mix_bytes: int, mix_from: int, epoch: int, composed: bool,
-               spread_nodes: bool, share_bytes: int, unit_samples: int) -> bool:
+               spread_nodes: bool, share_bytes: int) -> bool:
     """Whether an epoch is read as a part mix (see the module docstring; the arguments as for
-    ``_nodemix.node_mixes``, ``part_bytes`` from ``PlanSpec``, and ``unit_samples``: samples per
-    unit, a dcz block, or per part where the writer recorded none). A part mix spreads each
-    unit's samples over as many batches, each about one sample a run: at most
-    ``MAX_UNIT_SAMPLES`` per unit, else the sliding window reads the epoch. The bench's 64 KB
-    samples, 15 a block: cold wall 1.15 x the link. 4 KB samples, 240 a block
-    (``tools/bench.py --scenario shuffle --size 800MB --sample-bytes 4096 --compute 0.002``):
-    3.9 x the window's cold wall while each run loaded and read its own rows (72.95 s against
-    18.82 s); 1.65 x since each unit is read once a consumer (``datacache._stash``: 33.9 s
-    against 20.6 s, one run, cold quality 0.91 against 0.33): still slower, so such datasets
-    keep the window."""
+    ``_nodemix.node_mixes``, ``part_bytes`` from ``PlanSpec``). A part mix spreads each unit's
+    samples over as many batches, about one sample a run; a consumer loads and reads each unit
+    once for all of its runs (``datacache._stash``), so small samples cost little more than the
+    window's sequential reads. Cold epochs of ``tools/bench.py --scenario shuffle`` (one run
+    each, the part mix against the window in the same run; ``--compute 0.002`` for the small
+    samples): 64 KB samples, 15 a block: 11.35 s against 11.10 s (medians of 3 runs), quality 0.92 against 0.43;
+    4 KB, 240 a block (``--size 800MB``): 20.77 s against 18.50 s, 0.91 against 0.33; 1 KB,
+    about 1,000 a block (``--size 200MB``): 20.62 s against 16.95 s, 0.90 against 0.57."""
     return (shuffle and part_bytes > 0 and mix_bytes > 0 and epoch < mix_from and not composed
-            and not spread_nodes and share_bytes <= mix_bytes and unit_samples <= MAX_UNIT_SAMPLES)
+            and not spread_nodes and share_bytes <= mix_bytes)
 
 
 def part_rows(part_bytes: int, shard_bytes: np.ndarray | None, counts: np.ndarray, unit_rows: int = 0) -> int:

@@ -315,8 +315,7 @@ def _mix_block(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int, 
               composed=spec.composed, spread_nodes=spec.num_nodes > 1 and spec.layout_nodes == 1, share_bytes=share)
     if node_mixes(**kw):
         return block, False
-    unit = spec.unit_rows or part_rows(spec.part_bytes, spec.shard_bytes, counts)
-    if spec.layout_nodes == 1 and part_mixes(part_bytes=spec.part_bytes, unit_samples=unit, **kw):  # see _partmix
+    if spec.layout_nodes == 1 and part_mixes(part_bytes=spec.part_bytes, **kw):  # see _partmix
         return block, True
     return None
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from datacache import NodeCache, StreamingDataset, write_dataset
 from datacache._headstart import first_chunks
 from datacache._nodemix import chunk_bounds, chunk_runs, mix_positions
-from datacache._partmix import MAX_UNIT_SAMPLES, part_chunk
+from datacache._partmix import part_chunk
 from datacache.plan import PlanSpec, build_plan
 from tests.helpers.plans import SETTINGS
 
@@ -89,16 +89,19 @@ def test_when_an_epoch_mixes() -> None:
     assert build_plan(counts, replace(spec, dp_size=4, num_nodes=2, mix_bytes=1 << 40)).rows is not None
 
 
-def test_a_cold_epoch_is_a_part_mix_only_with_small_units() -> None:
-    """``_partmix.part_mixes``: a block of more than ``MAX_UNIT_SAMPLES`` samples (4 KB samples in
-    1 MB blocks: 240) would be decompressed once per sample; the sliding window reads that epoch."""
+@pytest.mark.parametrize("unit_rows", [0, 1, 15, 240, 1000])
+def test_a_cold_epoch_is_a_part_mix_whatever_its_blocks_hold(unit_rows: int) -> None:
+    """``_partmix.part_mixes``: blocks of many small samples (4 KB samples in 1 MB blocks: 240;
+    1 KB: about 1,000) are read part by part too, since a consumer reads each block once for all
+    of its runs (``datacache._stash``); each part is whole blocks."""
     counts = np.full(30, 1000)
     spec = PlanSpec(seed=4, epoch=0, num_workers=2, batch_size=32, mix_bytes=1 << 40, mix_from=1,
-                    part_bytes=1 << 20, shard_bytes=counts * 4096)
-    assert build_plan(counts, replace(spec, unit_rows=MAX_UNIT_SAMPLES)).parts
-    window = build_plan(counts, replace(spec, unit_rows=MAX_UNIT_SAMPLES + 1))
-    assert not window.parts and window.rows is None
-    assert not build_plan(counts, spec).parts  # no unit recorded: a part's 256 samples
+                    part_bytes=1 << 20, shard_bytes=counts * 4096, unit_rows=unit_rows)
+    plan = build_plan(counts, spec)
+    assert plan.parts and plan.rows is not None
+    if unit_rows:
+        assert plan.unit_rows == unit_rows
+    assert not build_plan(counts, replace(spec, part_bytes=0)).parts  # no ranged reads: the window
 
 
 @pytest.mark.parametrize("bs, dp, workers", [(32, 1, 2), (8, 2, 3), (100, 1, 4)])
@@ -151,10 +154,10 @@ def test_chunks_group_rows_by_shard(counts: list[int], seed: int, chunk: int) ->
 @pytest.fixture(scope="module")
 def sorted_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     url = f"file://{tmp_path_factory.mktemp('mix')}/ds"
-    # blocks of a few samples: a part mix reads units of at most MAX_UNIT_SAMPLES (datacache._partmix)
+    # blocks of a few samples: many units a shard, each part one of them (datacache._partmix)
     m = write_dataset(({"i": i, "x": np.full(64, i, dtype=np.int32)} for i in range(N)), url,
                       shard_bytes=8000, progress=False, writer_options={"block_bytes": 2048})
-    assert len(m.shards) >= 20 and 0 < m.unit_rows <= MAX_UNIT_SAMPLES, m.unit_rows
+    assert len(m.shards) >= 20 and 0 < m.unit_rows < 32, m.unit_rows
     return url
 
 
