@@ -73,14 +73,15 @@ class Consumer:
         self._skipped: set[int] = set()
         self._first = _first_chunk(plan, self.needed)
         # A part mix: the rows each needed run loads and reads (``datacache._stash``), by position.
-        self._reads = read_plan([plan.runs[r][0] for r in self.needed], [plan.rows[r] for r in self.needed],
-                                plan.unit_rows, alone=self._first) if plan.parts and plan.rows is not None else None
+        self._reads = read_plan([plan.runs[r][0] for r in self.needed], plan.rows if len(self.needed) == n_runs
+                                else [plan.rows[r] for r in self.needed], plan.unit_rows,
+                                alone=self._first) if plan.parts and plan.rows is not None else None
         self._position = {r: i for i, r in enumerate(self.needed)} if self._reads is not None else {}
         # The runs (positions) that read: a part mix's followers (all rows read by earlier runs)
         # never reach the stages; the consumer takes their samples from the stash itself.
         leading = list(range(len(self.needed))) if self._reads is None else \
-            [i for i, reads in enumerate(self._reads) if len(reads)]
-        self._follows = set(range(len(self.needed))).difference(leading) if self._reads is not None else set()
+            np.flatnonzero(self._reads.sizes()).tolist()
+        self._follows = set(np.flatnonzero(self._reads.sizes() == 0).tolist()) if self._reads is not None else set()
         self._stash = Stash()  # filled by the decode thread, emptied by the consumer's
         # A part mix's slow start (``PrefetchConfig.slow_start``; its prefetcher starts every run
         # of the first chunk at once): the lookahead waits until the first chunk is in.

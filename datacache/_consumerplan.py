@@ -33,7 +33,7 @@ class ConsumerPlan:
     window: int
     padded: int
     run_starts: np.ndarray
-    rows: list[np.ndarray] | None = None
+    rows: "Sequence[np.ndarray] | None" = None  # a Ragged (datacache._ragged) where built here
     parts: bool = False
     unit_rows: int = 0
 

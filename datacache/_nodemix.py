@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._ragged import Ragged
+
 __all__ = ["node_mixes", "mix_positions", "chunk_samples", "chunk_runs", "DEFAULT_CHUNK_BYTES", "MIX_SHARE"]
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -80,7 +82,7 @@ def chunk_runs(piece: np.ndarray, offsets: np.ndarray, chunk: int) -> dict:
     most ``chunk`` positions (``chunk_bounds``), each chunk's samples grouped into one run per shard.
 
     Returns ``runs`` ((shard, lo, hi) per run, ordered by chunk then shard), ``rows`` (the sorted
-    shard-local rows each run reads), ``run_of`` (each position's run), ``steps`` (positions each
+    shard-local rows each run reads, a ``Ragged``), ``run_of`` (each position's run), ``steps`` (positions each
     run's step yields: a chunk's positions all at its last run's step, once every run of the chunk
     is open), ``starts`` (each run's chunk start) and ``window`` (the most runs of one chunk: a run
     stays open until its chunk is done)."""
@@ -88,7 +90,7 @@ def chunk_runs(piece: np.ndarray, offsets: np.ndarray, chunk: int) -> dict:
     chunk = max(1, int(chunk))
     if n == 0:
         z = np.zeros(0, dtype=np.int64)
-        return {"runs": [], "rows": [], "run_of": z, "steps": np.zeros(1, dtype=np.int64), "starts": z, "window": 1}
+        return {"runs": [], "rows": Ragged(z, np.zeros(1, dtype=np.int64)), "run_of": z, "steps": np.zeros(1, dtype=np.int64), "starts": z, "window": 1}
     shard = np.searchsorted(offsets, piece, side="right") - 1
     local = piece - offsets[shard]
     shards = len(offsets) - 1
@@ -100,9 +102,9 @@ def chunk_runs(piece: np.ndarray, offsets: np.ndarray, chunk: int) -> dict:
     order = np.lexsort((local, run_of))
     bounds = np.searchsorted(run_of[order], np.arange(len(ukeys) + 1))
     sorted_local = local[order]
-    rows = [sorted_local[bounds[r]:bounds[r + 1]] for r in range(len(ukeys))]
-    run_shard = (ukeys % shards).tolist()
-    runs = [(s, int(r[0]), int(r[-1]) + 1) for s, r in zip(run_shard, rows)]
+    rows = Ragged(sorted_local, bounds)
+    runs = list(zip((ukeys % shards).tolist(), sorted_local[bounds[:-1]].tolist(),
+                    (sorted_local[bounds[1:] - 1] + 1).tolist()))
     starts = chunks[ukeys // shards]
     steps = np.append(starts, n).astype(np.int64)
     per_chunk = np.bincount(ukeys // shards)

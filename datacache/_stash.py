@@ -24,30 +24,32 @@ from typing import Any
 
 import numpy as np
 
+from ._ragged import Ragged
+
 __all__ = ["Stash", "read_plan"]
 
 
-def read_plan(shards: list[int], rows: list[np.ndarray], unit_rows: int, *, alone: int = 0) -> list[np.ndarray]:
+def read_plan(shards: list[int], rows: "list[np.ndarray] | Ragged", unit_rows: int, *, alone: int = 0) -> Ragged:
     """The rows each run loads and reads, for runs in reading order (``shards[i]``, ``rows[i]``:
     run ``i``'s shard and rows): all of the runs' rows of the units (``row // unit_rows`` of a
     shard) that run ``i`` is the first to reach. A run's own rows that are not in its list come
     from an earlier run's read (``Stash``). The first ``alone`` runs (the first chunk: the first
     batch waits for them) read their own rows only. ``unit_rows`` < 1: each run reads its own."""
-    own = [np.asarray(r, dtype=np.int64) for r in rows[:alone]]
-    rows = rows[alone:]
-    if unit_rows < 1 or not rows:
-        return own + [np.asarray(r, dtype=np.int64) for r in rows]
-    sizes = np.array([len(r) for r in rows], dtype=np.int64)
+    rows = Ragged.of(rows)
+    if unit_rows < 1 or len(rows) <= alone:
+        return rows
+    sizes = rows.sizes()
     run = np.repeat(np.arange(len(rows), dtype=np.int64), sizes)
-    flat = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])
-    key = (np.repeat(np.asarray(shards[alone:], dtype=np.int64), sizes) << 32) | (flat // unit_rows)
+    flat = rows.flat
+    key = (np.repeat(np.asarray(shards, dtype=np.int64), sizes) << 32) | (flat // unit_rows)
     _, inverse = np.unique(key, return_inverse=True)
+    inverse = inverse.reshape(-1)
     leader = np.full(int(inverse.max()) + 1 if len(inverse) else 0, len(rows), dtype=np.int64)
-    np.minimum.at(leader, inverse, run)
-    lead = leader[inverse]  # per row: the run that reads it
+    later = run >= alone  # the first chunk's rows are read by their own runs
+    np.minimum.at(leader, inverse[later], run[later])
+    lead = np.where(later, leader[inverse], run)  # per row: the run that reads it
     order = np.lexsort((flat, lead))
-    cuts = np.searchsorted(lead[order], np.arange(len(rows) + 1))
-    return own + [flat[order[cuts[i]:cuts[i + 1]]] for i in range(len(rows))]
+    return Ragged(flat[order], np.searchsorted(lead[order], np.arange(len(rows) + 1)))
 
 
 class Stash:

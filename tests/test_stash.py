@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from datacache import NodeCache, StreamingDataset, write_dataset
+from datacache._ragged import Ragged
 from datacache._stash import Stash, read_plan
 
 
@@ -100,3 +101,14 @@ def test_a_part_mix_skips_a_missing_shard_and_delivers_every_other_sample_once(t
     assert len([w for w in caught if "skipping shard" in str(w.message)]) == 1
     assert ds.stats()["partial_bytes"] > 0 and ds.stats()["skipped_shards"] == 1, "a part mix, one shard skipped"
     ds.close()
+
+
+def test_ragged_holds_the_arrays_it_was_given() -> None:
+    arrays = [np.array([3, 1]), np.array([], dtype=np.int64), np.array([7])]
+    r = Ragged.of(arrays)
+    assert len(r) == 3 and r.sizes().tolist() == [2, 0, 1] and Ragged.of(r) is r
+    assert [a.tolist() for a in r] == [[3, 1], [], [7]] and r[-1].tolist() == [7] and r == Ragged.of(arrays)
+    with pytest.raises(IndexError):
+        r[3]
+    with pytest.raises(ValueError, match="cuts must run from 0 to 3"):
+        Ragged(np.arange(3), np.array([0, 2]))
