@@ -103,7 +103,8 @@ class Consumer:
             release=lambda handle: handle.release(), config=prefetch, name=name)
         # Stage 2: the next runs decoded while the current step is consumed.
         self.decoder: Prefetcher[int, _Run] = Prefetcher.bounded(
-            [self.needed[i] for i in leading], self._decode, ahead=_DECODE_AHEAD, release=_Run.release, name=f"{name}-decode")
+            [self.needed[i] for i in leading], self._decode, ahead=_DECODE_AHEAD, release=_Run.release,
+            name=f"{name}-decode")
         self.consumed = skip
 
     def _size_of(self, item: tuple[int, int]) -> int:
