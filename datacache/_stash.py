@@ -34,7 +34,9 @@ def read_plan(shards: list[int], rows: "list[np.ndarray] | Ragged", unit_rows: i
     run ``i``'s shard and rows): all of the runs' rows of the units (``row // unit_rows`` of a
     shard) that run ``i`` is the first to reach. A run's own rows that are not in its list come
     from an earlier run's read (``Stash``). The first ``alone`` runs (the first chunk: the first
-    batch waits for them) read their own rows only. ``unit_rows`` < 1: each run reads its own."""
+    batch waits for them) read their own rows only. ``unit_rows`` < 1: each run reads its own.
+    A row in several runs (a padded plan's repeat) is read once, by its unit's leader, for its
+    first run after that; the stash gives it once, so a later run reads it again itself."""
     rows = Ragged.of(rows)
     if unit_rows < 1 or len(rows) <= alone:
         return rows
@@ -49,7 +51,12 @@ def read_plan(shards: list[int], rows: "list[np.ndarray] | Ragged", unit_rows: i
     np.minimum.at(leader, inverse[later], run[later])
     lead = np.where(later, leader[inverse], run)  # per row: the run that reads it
     order = np.lexsort((flat, lead))
-    return Ragged(flat[order], np.searchsorted(lead[order], np.arange(len(rows) + 1)))
+    flat, lead = flat[order], lead[order]
+    # A padded plan repeats a few samples, at times in one consumer: each run reads a row once.
+    once = np.ones(len(flat), dtype=bool)
+    once[1:] = (flat[1:] != flat[:-1]) | (lead[1:] != lead[:-1])
+    flat, lead = flat[once], lead[once]
+    return Ragged(flat, np.searchsorted(lead, np.arange(len(rows) + 1)))
 
 
 class Stash:
