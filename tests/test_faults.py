@@ -188,7 +188,16 @@ def test_training_process_killed_while_writing_the_cache(s3_server: Any, make_s3
         def mid_write() -> bool:  # some entries committed to the index, and one being written right now
             f = H.files(ram_data)
             return any(k.startswith(".tmp-") and v for k, v in f.items()) and bool(committed_now())
-        H.wait_for(mid_write, 60, "the training process to be mid-write")
+
+        def frozen_mid_write() -> bool:  # checked again with the process stopped: what the kill leaves
+            if not mid_write():
+                return False
+            H.stop(proc.pid)
+            if mid_write():
+                return True
+            os.kill(proc.pid, signal.SIGCONT)  # it renamed its temp file meanwhile: wait for the next
+            return False
+        H.wait_for(frozen_mid_write, 60, "the training process to be mid-write")
         proc.kill()
     finally:
         proc.kill()

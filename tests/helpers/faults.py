@@ -17,6 +17,7 @@ import logging
 import multiprocessing as mp
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -103,6 +104,23 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
             return got
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+def stop(pid: int, timeout: float = 30) -> None:
+    """SIGSTOP process ``pid`` and return once every thread of it is stopped (``/proc``), so that
+    what a test sees of its files then is what a SIGKILL would leave."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        return all(s in "Tt" for s in states)
+    wait_for(stopped, timeout, f"process {pid} to stop")
 
 
 def epoch_json(spec: dict[str, Any]) -> dict[str, Any]:
