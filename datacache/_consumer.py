@@ -260,6 +260,12 @@ class Consumer:
         """Seconds the consumer waited for data (network and decoding) in this epoch."""
         return self.decoder.wait_seconds
 
+    @property
+    def stash_bytes(self) -> int:
+        """Bytes of samples a part mix's leaders read ahead for this consumer's later runs
+        (``datacache._stash``), held in this process's memory now; thread-safe."""
+        return self._stash.nbytes
+
     def _cancelled(self) -> bool:
         """Stop fetching: the consumer was closed (Ctrl-C, end of iteration) or, in a DataLoader
         worker, the training process died. Polled by transfers in flight; thread-safe."""

@@ -3,6 +3,7 @@ them, and ``piece_runs``, which cuts a read order into runs of one shard each. P
 function; a plan is immutable once built (thread-safe to share)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -33,7 +34,7 @@ class ConsumerPlan:
     window: int
     padded: int
     run_starts: np.ndarray
-    rows: "Sequence[np.ndarray] | None" = None  # a Ragged (datacache._ragged) where built here
+    rows: Sequence[np.ndarray] | None = None  # a Ragged (datacache._ragged) where built here
     parts: bool = False
     unit_rows: int = 0
 

@@ -356,7 +356,9 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         ``storage_retries``: retried storage requests (every consumer's finished epochs on the node,
         plus this process's so far). ``storage_throttled``, ``storage_throttle_seconds``,
         ``storage_concurrency``: the node's throttling answers from this store prefix, seconds spent
-        throttled, and its congestion window now (``datacache.congestion``)."""
+        throttled, and its congestion window now (``datacache.congestion``). ``stash_bytes``: the
+        samples this process's consumer holds read ahead for its later runs in a part-mixed cold
+        epoch (``datacache._stash``; 0 otherwise)."""
         out = self.cache.stats()
         out["storage_retries"] = int(out.get("storage_retries", 0)) + self._unflushed_retries()
         cong = self.store.congestion.stats()
@@ -368,6 +370,7 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
             out["prefetch_depth"] = c.prefetcher.depth
             out["prefetch_threads"] = c.prefetcher.active_threads
             out["lookahead_bytes"] = c.prefetcher.lookahead
+            out["stash_bytes"] = c.stash_bytes
         return out
 
     def close(self) -> None:
