@@ -198,13 +198,14 @@ class Consumer:
         assert self.plan.rows is not None
         return _Run(lo, self._part_samples(shard, None, lo, self.plan.rows[run], self._reads[self._position[run]]))
 
-    def _read(self, shard: int, handle: CacheHandle, lo: int, hi: int,
-              rows: np.ndarray | None) -> list[Any] | dict[int, Any] | None:
-        """Samples ``lo .. hi - 1`` (a list), or only ``rows`` (a node mix's run: a dict by row - lo)."""
+    def _read(self, shard: int, handle: CacheHandle, lo: int, hi: int, rows: np.ndarray | None, *,
+              copy: bool = False) -> list[Any] | dict[int, Any] | None:
+        """Samples ``lo .. hi - 1`` (a list), or only ``rows`` (a node mix's run: a dict by row -
+        lo; ``copy``: samples in memory of their own, ``ShardSource.read_rows``)."""
         try:
             if rows is None:
                 return self.source.read_runs(shard, handle, lo, hi)
-            return {r - lo: s for r, s in self.source.read_rows(shard, handle, rows.tolist()).items()}
+            return {r - lo: s for r, s in self.source.read_rows(shard, handle, rows.tolist(), copy=copy).items()}
         except (ReaderError, IntegrityError) as err:
             if self.on_error != "skip":
                 raise
@@ -218,21 +219,19 @@ class Consumer:
         to the stash), its other rows taken from the stash (a follower, ``reads`` empty and no
         handle: on the consumer's thread). Rows the stash lacks (their leader's shard was skipped)
         are loaded and read here. By row - lo, as ``_read``; None if the shard is skipped."""
-        got = self._read(shard, handle, lo, lo, reads) if handle is not None and len(reads) else {}
+        got = self._read(shard, handle, lo, lo, reads, copy=True) if handle is not None and len(reads) else {}
         if not isinstance(got, dict):
             return None
         own = rows.tolist()
         mine = set(own)
-        for r in reads.tolist():
-            if r not in mine:
-                self._stash.put(shard, r, got.pop(r - lo))
-        rest = []
-        for r in own:
-            if r - lo not in got:
-                try:
-                    got[r - lo] = self._stash.take(shard, r)
-                except KeyError:
-                    rest.append(r)
+        later = {r: got.pop(r - lo) for r in reads.tolist() if r not in mine}
+        if later:
+            self._stash.put_many(shard, later)
+        wanted = sorted({r for r in own if r - lo not in got})
+        found = self._stash.take_many(shard, wanted) if wanted else {}
+        for r, sample in found.items():
+            got[r - lo] = sample
+        rest = [r for r in wanted if r not in found]
         if rest:
             if shard in self._skipped:
                 return None

@@ -12,13 +12,13 @@ unit anyway, so no byte is fetched earlier; the first chunk's runs read only the
 The stash holds at most the consumer's rows of the units it has reached and not used up: across
 the node, the sliding window of parts (about ``PART_WINDOW / 2`` parts' samples over the node's
 consumers) plus the epoch's end share. Samples are copied in, so no block's buffer or shard map
-outlives its read. A run with nothing to read (a *follower*: its rows all come from earlier
+outlives its read (the leader reads them with ``copy=True``: one copy of a block's rows for all
+of them, not one a sample). A run with nothing to read (a *follower*: its rows all come from earlier
 runs' reads) never reaches the consumer's prefetch and decode stages: the consumer takes its
 samples from the stash in its own thread, a dictionary lookup per sample.
 """
 from __future__ import annotations
 
-import copy
 import threading
 from typing import Any
 
@@ -60,30 +60,36 @@ def read_plan(shards: list[int], rows: "list[np.ndarray] | Ragged", unit_rows: i
 
 
 class Stash:
-    """Samples read ahead of their run, by (shard, row): ``put`` by a leader's read, ``take``
-    once by the run that needs them. Counts its bytes (``nbytes``, of the samples' buffers).
-    Thread-safe (the consumer's decode thread puts, its own thread takes): one lock, held for
-    the dictionary update only (the copy is made outside it)."""
+    """Samples read ahead of their run, by (shard, row): ``put_many`` by a leader's read,
+    ``take_many`` once by the run that needs them. Counts its bytes (``nbytes``, of the samples'
+    buffers). Thread-safe (the consumer's decode thread puts, its own thread takes): one lock,
+    held for the dictionary updates only."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[tuple[int, int], tuple[Any, int]] = {}
         self.nbytes = 0
 
-    def put(self, shard: int, row: int, sample: Any) -> None:
-        """Keep ``sample`` (a copy that owns its memory) for its run."""
-        own = _owned(sample)
-        size = _nbytes(own)
+    def put_many(self, shard: int, samples: dict[int, Any]) -> None:
+        """Keep ``samples`` (shard-local row -> sample) of shard ``shard`` for their runs. They
+        must own their memory (``ShardSource.read_rows(copy=True)``: one copy of a block's rows
+        for them all), so that no block buffer or shard map outlives its read."""
+        sized = [((shard, row), (sample, _nbytes(sample))) for row, sample in samples.items()]
         with self._lock:
-            self._held[(shard, row)] = (own, size)
-            self.nbytes += size
+            self._held.update(sized)
+            self.nbytes += sum(size for _, (_, size) in sized)
 
-    def take(self, shard: int, row: int) -> Any:
-        """The kept sample, removed from the stash; ``KeyError`` if none is kept."""
+    def take_many(self, shard: int, rows: list[int]) -> dict[int, Any]:
+        """The kept samples of shard ``shard`` at ``rows`` (distinct), each removed from the
+        stash; rows that none is kept for are left out."""
+        out: dict[int, Any] = {}
         with self._lock:
-            sample, size = self._held.pop((shard, row))
-            self.nbytes -= size
-        return sample
+            for row in rows:
+                held = self._held.pop((shard, row), None)
+                if held is not None:
+                    out[row] = held[0]
+                    self.nbytes -= held[1]
+        return out
 
     def __len__(self) -> int:
         return len(self._held)
@@ -94,21 +100,10 @@ class Stash:
             self.nbytes = 0
 
 
-def _owned(sample: Any) -> Any:
-    """A copy of ``sample`` that shares no buffer with it: arrays copied, immutable values (bytes,
-    str, numbers) kept, anything else deep-copied. A sample of a mapped shard holds views of the
-    map; copying only the arrays takes half the time of ``copy.deepcopy`` (4 KB samples)."""
-    if isinstance(sample, dict):
-        return {k: _owned(v) for k, v in sample.items()}
-    if isinstance(sample, np.ndarray):
-        return sample.copy()
-    if sample is None or isinstance(sample, (bytes, str, int, float, bool)):
-        return sample
-    return copy.deepcopy(sample)
-
-
 def _nbytes(sample: Any) -> int:
     """The bytes of a sample's fields (arrays, bytes, strings), roughly; 0 for what has none."""
+    if type(sample) is dict:  # noqa: E721 - the common case, without a call a field
+        return sum(v.nbytes if type(v) is np.ndarray else _nbytes(v) for v in sample.values())  # noqa: E721
     if isinstance(sample, dict):
         return sum(_nbytes(v) for v in sample.values())
     return int(getattr(sample, "nbytes", 0) or (len(sample) if isinstance(sample, (bytes, str)) else 0))

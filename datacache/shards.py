@@ -238,20 +238,22 @@ class ShardSource:
         """Samples ``lo`` to ``hi - 1`` of the fetched shard (``handle``), read sequentially."""
         return self._with_reader(shard, handle, lambda r: list(r.iter_range(lo, hi)))
 
-    def read_rows(self, shard: int, handle: "CacheHandle | PartHandle", rows: Iterable[int]) -> dict[int, Any]:
+    def read_rows(self, shard: int, handle: "CacheHandle | PartHandle", rows: Iterable[int], *,
+                  copy: bool = False) -> dict[int, Any]:
         """The samples at the shard-local indices ``rows`` of the fetched shard: one sequential
         read of their span when they are dense in it, else one random read each (always so in a
-        partial copy, ``load_rows``: only the units holding ``rows`` are in)."""
+        partial copy, ``load_rows``: only the units holding ``rows`` are in). ``copy``: samples
+        in memory of their own (``ShardReader.get_many``), to keep past the shard's release."""
         rows = sorted(set(int(r) for r in rows))
         if not rows:
             return {}
         lo, hi = rows[0], rows[-1] + 1
 
         def read(r: Any) -> dict[int, Any]:
-            if hi - lo <= 4 * len(rows) and not isinstance(handle, PartHandle):
+            if hi - lo <= 4 * len(rows) and not copy and not isinstance(handle, PartHandle):
                 span = list(r.iter_range(lo, hi))
                 return {i: span[i - lo] for i in rows}
-            return dict(zip(rows, r.get_many(rows)))
+            return dict(zip(rows, r.get_many(rows, copy=copy)))
         return self._with_reader(shard, handle, read)
 
     def _with_reader(self, shard: int, handle: "CacheHandle | PartHandle", work: Callable[[Any], Any]) -> Any:

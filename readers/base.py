@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from .codec import Sample, Schema, check_sample, check_schema
+from .codec import Sample, Schema, check_sample, check_schema, owned
 from .errors import ReaderError
 
 __all__ = ["ReaderError", "ShardReader", "ShardWriter", "ShardFormat", "ShardLayout", "Sample", "Schema"]
@@ -105,18 +105,21 @@ class ShardReader(abc.ABC):
 
     __getitem__ = get
 
-    def get_many(self, indices: list[int]) -> list[Sample]:
+    def get_many(self, indices: list[int], *, copy: bool = False) -> list[Sample]:
         """The samples at ``indices`` (sorted, each in range, else :class:`IndexError`), in that
         order: what many ``get`` calls return, with the format's faster path where it has one
-        (each block decoded once per call)."""
+        (each block decoded once per call). ``copy``: samples that own their memory, views of
+        nothing the reader reuses or maps (a caller that keeps them past the next read)."""
         n = len(self)
         if indices and not (0 <= indices[0] and indices[-1] < n):
             raise IndexError(f"{self.path}: sample indices {indices[0]}..{indices[-1]} outside [0, {n})")
         self._ensure_open()
-        return self._get_many(indices)
+        return self._get_many(indices, copy)
 
-    def _get_many(self, indices: list[int]) -> list[Sample]:
+    def _get_many(self, indices: list[int], copy: bool) -> list[Sample]:
         """``get_many`` with checked, sorted ``indices`` and handles open."""
+        if copy:
+            return [owned(self._get(i)) for i in indices]
         return [self._get(i) for i in indices]
 
     def iter_range(self, start: int = 0, stop: int | None = None) -> Iterator[Sample]:

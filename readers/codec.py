@@ -17,6 +17,7 @@ thread-safe.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import struct
@@ -28,7 +29,7 @@ from .errors import ReaderError
 
 __all__ = [
     "Sample", "Schema", "KINDS", "check_schema", "infer_schema", "check_sample", "encode_field", "decode_field",
-    "encode_sample", "decode_sample", "decode_uniform", "schema_to_json", "schema_from_json",
+    "encode_sample", "decode_sample", "decode_uniform", "owned", "schema_to_json", "schema_from_json",
 ]
 
 Sample = dict[str, Any]
@@ -261,7 +262,7 @@ _FIXED_KINDS = {"int": "<i8", "float": "<f8"}
 
 
 def decode_uniform(block: memoryview, offset: int, length: int, count: int, schema: Schema,
-                   pick: Sequence[int] | None = None) -> list[Sample] | None:
+                   pick: Sequence[int] | None = None, copy: bool = False) -> list[Sample] | None:
     """Decode ``count`` consecutive samples of ``length`` bytes each from ``block[offset:]`` at
     once, or None when that fast path does not apply (a bytes/str field, or samples whose field
     sizes or array headers differ; decode them one by one then). ``pick``: only the samples at
@@ -269,7 +270,9 @@ def decode_uniform(block: memoryview, offset: int, length: int, count: int, sche
 
     The result is exactly what :func:`decode_sample` gives for each sample: sample 0 is decoded
     (and validated) normally, and every other sample is checked to carry byte-identical length
-    prefixes and array headers, so only the values differ. Arrays are views of ``block``.
+    prefixes and array headers, so only the values differ. Arrays are views of ``block``, or with
+    ``copy`` of one new array holding the (picked) samples' bytes: one copy for them all, which
+    no later use of ``block`` changes and which lives as long as any of their arrays.
     """
     if count < 2 or any(kind not in _FIXED_KINDS and kind != "ndarray" for kind in schema.values()):
         return None
@@ -285,7 +288,10 @@ def decode_uniform(block: memoryview, offset: int, length: int, count: int, sche
             return None
         pos += 8 + size
         spans.append((field, kind, start, pos))
-    at = range(count) if pick is None else pick
+    at: Sequence[int] = range(count) if pick is None else pick
+    if copy:  # the samples' rows into one array of their own; positions then index it
+        rows = rows[np.asarray(at, dtype=np.intp)] if pick is not None else rows.copy()
+        count, at, pick = len(rows), range(len(rows)), None
     columns: list[list[Any]] = []
     for field, kind, start, end in spans:
         if kind == "ndarray":
@@ -298,6 +304,18 @@ def decode_uniform(block: memoryview, offset: int, length: int, count: int, sche
             columns.append(values if pick is None else [values[i] for i in at])
     names = list(schema)
     return [dict(zip(names, values)) for values in zip(*columns)]
+
+
+def owned(sample: Any) -> Any:
+    """A copy of ``sample`` that shares no buffer with it: arrays copied, immutable values (bytes,
+    str, numbers) kept, containers copied through, anything else deep-copied."""
+    if isinstance(sample, dict):
+        return {k: owned(v) for k, v in sample.items()}
+    if isinstance(sample, np.ndarray):
+        return sample.copy()
+    if sample is None or isinstance(sample, (bytes, str, int, float, bool)):
+        return sample
+    return copy.deepcopy(sample)
 
 
 def schema_to_json(schema: Schema) -> str:

@@ -43,7 +43,7 @@ from ._dczindex import encode_index as _encode_index
 from .base import ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
-from .codec import Sample, Schema, decode_sample, decode_uniform, encode_sample
+from .codec import Sample, Schema, decode_sample, decode_uniform, encode_sample, owned
 from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
 __all__ = ["ZstdShardReader", "ZstdShardWriter", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
@@ -311,9 +311,10 @@ class ZstdShardReader(_BaseReader):
         offset, length = (int(v) for v in self._samples[index])
         return self._decode(memoryview(self._block(block)), offset, length, index)
 
-    def _get_many(self, indices: list[int]) -> list[Sample]:
+    def _get_many(self, indices: list[int], copy: bool) -> list[Sample]:
         """Sorted ``indices``: the block of each found at once, each block decoded once, and a
-        block's several samples at once where their span is uniform (``_uniform``)."""
+        block's several samples at once where their span is uniform (``_uniform``; with ``copy``
+        their bytes copied once for them all)."""
         out: list[Sample] = []
         if not indices:
             return out
@@ -322,13 +323,14 @@ class ZstdShardReader(_BaseReader):
         for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(indices)]):
             data = memoryview(self._block(int(blocks[lo])))
             first, last = indices[lo], indices[hi - 1]
-            fast = self._uniform(data, self._samples[first:last + 1], [i - first for i in indices[lo:hi]]) \
+            fast = self._uniform(data, self._samples[first:last + 1], [i - first for i in indices[lo:hi]], copy) \
                 if hi - lo > 1 else None
             if fast is not None:
                 out += fast
                 continue
             for index, (offset, length) in zip(indices[lo:hi], self._samples[indices[lo:hi]].tolist()):
-                out.append(self._decode(data, offset, length, index))
+                sample = self._decode(data, offset, length, index)
+                out.append(owned(sample) if copy else sample)
         return out
 
     def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:
@@ -346,17 +348,18 @@ class ZstdShardReader(_BaseReader):
                     yield self._decode(data, offset, length, j)
             i, block = end, block + 1
 
-    def _uniform(self, data: memoryview, rows: np.ndarray, pick: list[int] | None = None) -> list[Sample] | None:
+    def _uniform(self, data: memoryview, rows: np.ndarray, pick: list[int] | None = None,
+                 copy: bool = False) -> list[Sample] | None:
         """The samples of ``rows`` (consecutive, in one block; ``pick``: only those at these
-        positions of ``rows``) decoded at once, if they are equal-sized with identical layouts
-        (see :func:`readers.codec.decode_uniform`)."""
+        positions of ``rows``; ``copy``: in memory of their own) decoded at once, if they are
+        equal-sized with identical layouts (see :func:`readers.codec.decode_uniform`)."""
         if len(rows) < 2 or not (rows[:, 1] == rows[0, 1]).all():
             return None
         offset, length = int(rows[0, 0]), int(rows[0, 1])
         if not (rows[:, 0] == offset + length * np.arange(len(rows), dtype=np.uint64)).all():
             return None
         try:
-            return decode_uniform(data, offset, length, len(rows), self.schema or {}, pick)
+            return decode_uniform(data, offset, length, len(rows), self.schema or {}, pick, copy)
         except ReaderError:
             return None  # sample by sample, for the error naming the sample
 

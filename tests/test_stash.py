@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datacache import NodeCache, StreamingDataset, write_dataset
+from datacache import CacheConfig, NodeCache, StreamingDataset, write_dataset
 from datacache._ragged import Ragged
 from datacache._stash import Stash, read_plan
 
@@ -111,17 +111,42 @@ def test_a_unit_read_ahead_saves_loads() -> None:
     assert sum(1 for r in reads if len(r)) < len(reads) / 4
 
 
-def test_the_stash_gives_each_sample_back_once_as_its_own_copy() -> None:
+def test_the_stash_gives_each_sample_back_once() -> None:
     stash = Stash()
-    block = np.arange(64, dtype=np.uint8)
-    stash.put(3, 10, {"x": block[8:16], "i": 10})
-    block[8:16] = 0  # the block's buffer is reused for the next block
-    assert stash.nbytes == 8 and len(stash) == 1
-    got = stash.take(3, 10)
-    assert got["i"] == 10 and got["x"].tolist() == list(range(8, 16))
+    stash.put_many(3, {10: {"x": np.arange(8, dtype=np.uint8), "i": 10}, 11: {"x": np.zeros(4), "i": 11}})
+    assert stash.nbytes == 8 + 32 and len(stash) == 2
+    got = stash.take_many(3, [10, 12])
+    assert list(got) == [10] and got[10]["i"] == 10 and got[10]["x"].tolist() == list(range(8))
+    assert stash.nbytes == 32 and len(stash) == 1
+    assert stash.take_many(3, [10]) == {}, "once"
+    assert stash.take_many(4, [11]) == {}, "by shard and row"
+    stash.clear()
     assert stash.nbytes == 0 and len(stash) == 0
-    with pytest.raises(KeyError):
-        stash.take(3, 10)
+
+
+def test_a_leaders_read_for_the_stash_owns_its_memory(tmp_path: Path) -> None:
+    """read_rows(copy=True) (a leader's read, datacache._stash): the samples' arrays are views of
+    one array that owns its memory and holds the picked rows alone, so a stashed sample keeps
+    no block buffer (1 MB by default) or shard map alive, and share no memory with the reader."""
+    url = f"file://{tmp_path}/ds"
+    write_dataset(({"i": i, "x": np.full(64, i, dtype=np.int32)} for i in range(400)), url,
+                  shard_bytes=100_000, progress=False, writer_options={"block_bytes": 4096})
+    ds = StreamingDataset(url, cache=NodeCache(CacheConfig(ram_dir=str(tmp_path / "ram"), ram_bytes="4MB")))
+    handle = ds.source.fetch(0)
+    try:
+        for picked in ([1, 2, 3, 7], [0, 5, 9, 30, 31]):  # within blocks, and across them
+            kept = ds.source.read_rows(0, handle, picked, copy=True)
+            views = ds.source.read_rows(0, handle, [r + 1 for r in picked])  # the reader's buffers again
+            for r, sample in kept.items():
+                assert sample["i"] == r and sample["x"].tolist() == [r] * 64
+                assert not any(np.shares_memory(sample["x"], v["x"]) for v in views.values())
+                root = sample["x"]
+                while isinstance(root.base, np.ndarray):
+                    root = root.base
+                assert root.flags.owndata and root.nbytes < len(picked) * 400, "its rows alone, in memory of their own"
+    finally:
+        handle.release()
+        ds.close()
 
 
 @pytest.mark.timeout(180)
