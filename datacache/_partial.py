@@ -179,28 +179,19 @@ class PartialShard:
                 return tail[a - tail_start:b - tail_start]
             if b <= head_end:
                 return head[a:b]
-            data = fetch(a, b)
+            end = tail_start if b > tail_start else b  # an index longer than the tail: only its start
+            data = fetch(a, end)
             self._write(fd, data, a)
-            written.append((a, b))
-            return data
+            written.append((a, end))
+            return data + tail[:b - end]
         layout = self._layout_of(read, self.size, self.name)
         if layout.samples != self.samples:  # the whole fetch's count check says so, with the URL
             raise ReaderError(f"{layout.samples} samples, the manifest declares {self.samples}", path=self.name)
-        todo: list[list[int]] = []
-        for a, b in sorted(layout.fixed):  # the ranges the layout did not read (e.g. the header), merged
-            if not any(x <= a and b <= y for x, y in written):
-                if todo and todo[-1][1] == a:
-                    todo[-1][1] = b
-                else:
-                    todo.append([a, b])
-        for a, b in todo:  # not with the first unit: the sample a read wants is in another, most often
+        # The fixed ranges the layout did not read (e.g. the header); not with the first unit: the
+        # sample a read wants is in another, most often. An index read in two pieces is in already.
+        for a, b in _gaps(sorted(layout.fixed), _merged(written)):
             read(a, b)
-        merged: list[list[int]] = []
-        for x, y in sorted(written):
-            if merged and x <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], y)
-            else:
-                merged.append([x, y])
+        merged = _merged(written)
         state = bytes(int(any(x <= a and b <= y for x, y in merged)) for a, b in layout.spans)
         return layout, state
 
@@ -326,3 +317,32 @@ class PartialShard:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` (start, end) as the sorted, disjoint ranges that cover the same bytes."""
+    out: list[tuple[int, int]] = []
+    for x, y in sorted(ranges):
+        if out and x <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], y))
+        else:
+            out.append((x, y))
+    return out
+
+
+def _gaps(wanted: list[tuple[int, int]], have: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The bytes of ``wanted`` ranges that the sorted, disjoint ``have`` ranges lack, as ranges
+    (adjacent ones joined: one ranged read each)."""
+    out: list[tuple[int, int]] = []
+    for a, b in wanted:
+        for x, y in have:
+            if y <= a or x >= b:
+                continue
+            if x > a:
+                out.append((a, x))
+            a = max(a, y)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return _merged(out)

@@ -81,6 +81,30 @@ def test_a_partial_copy_serves_samples_before_it_is_whole_then_becomes_the_entry
         src.close()
 
 
+def test_an_index_longer_than_the_first_read_tail_is_fetched_once(s3_server, make_s3_url, tmp_path) -> None:
+    """A shard of 3,000 small samples has a 50 KB index, more than the 16 KiB tail its partial
+    copy's first read gets: the rest of the index is one more read, and no byte comes twice (the
+    index was read again with its footer, a third round trip before the first block)."""
+    url, opts = make_s3_url(), s3_server.storage_options()
+    H.write(url, opts, 3000, 40, shard_bytes=1 << 20, writer_options=WRITER)
+    src = _source(url, opts, str(tmp_path))
+    try:
+        name, size = src.manifest.shards[0].name, src.manifest.shards[0].bytes
+        before = _read(src), int(src.store.stats()["requests"])  # the manifest's
+        handle = src.load_rows(0, [5])
+        sample = src.read_rows(0, handle, [5])[5]
+        assert int(sample["i"]) == 5 and bytes(sample["data"]) == H.payload(5, 40)
+        got, requests = _read(src) - before[0], int(src.store.stats()["requests"]) - before[1]
+        layout = dcz_layout(lambda a, b: src.store.read_range(name, a, b), size, name)
+        index = size - layout.fixed[-1][0]
+        assert index > 16 << 10, "the index is longer than the first read's tail"
+        block = max(b - a for a, b in layout.spans)
+        assert got <= index + 4096 + 2 * block, f"{got} bytes for a {index}-byte index and one block"
+        assert requests <= 4, f"{requests} requests: head and tail, the rest of the index, one block"
+    finally:
+        src.close()
+
+
 def _child(url: str, opts: dict[str, Any], root: str, ranges: list[tuple[int, int]], go: Any,
            out: Any) -> None:
     src = _source(url, opts, root)
