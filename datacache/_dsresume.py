@@ -14,6 +14,7 @@ from typing import Any
 import torch.utils.data as tud
 
 from ._headstart import RUNS_PER_WORKER, HeadStart, first_chunks
+from ._partmix import part_chunk
 from ._rounds import Rounds, WorkerBatches
 from .plan import ConsumerPlan, build_plan, mixed_share
 from .resume import ResumeState, common_state, plan_mix, rank_state, resume_plan, resume_spec, start_state
@@ -86,16 +87,17 @@ class ResumeMixin:
         base = start.advanced(worker_id=0, consumed=0, mix=plan_mix(resume_spec(spec0, resume)), **layout)
         return Rounds(base=base, make_workers=workers)
 
-    def head_start(self, num_workers: int) -> HeadStart | None:
+    def head_start(self, num_workers: int, *, start: bool = True) -> HeadStart | None:
         """Fetch, from this (the training) process, the first shards of ``num_workers`` DataLoader
         workers that have just begun the epoch (``datacache._headstart``), or a part-mixed epoch's
         first chunks' rows; ``None`` when a resume is pending (the workers start mid-plan), the
-        epoch is a node mix, or there is nothing to read."""
+        epoch is a node mix, or there is nothing to read. ``start=False``: planned (the workers'
+        plans computed and memoized in this process), its threads started by ``HeadStart.start``."""
         if self._pending() is not None:
             return None
         spec0 = self._spec(num_workers, 0)
         if self._mix is None and mixed_share(self.counts, spec0) is not None:
-            return self._part_head_start(num_workers) if spec0.part_bytes > 0 else None
+            return self._part_head_start(num_workers, start) if spec0.part_bytes > 0 else None
         runs = []
         for w in range(num_workers):
             plan, _ = self._worker_plan(num_workers, w, None, self.epoch, shards_only=True)
@@ -104,25 +106,28 @@ class ResumeMixin:
         if not runs:
             return None
         return HeadStart(self.source, [(shard, t) for _, _, shard, t in sorted(runs)],
-                         name=f"datacache-headstart-r{self.dp_rank}")
+                         name=f"datacache-headstart-r{self.dp_rank}", start=start)
 
-    def _part_head_start(self, num_workers: int) -> HeadStart | None:
+    def _part_head_start(self, num_workers: int, start: bool) -> HeadStart | None:
         """The head start of a part-mixed epoch: the runs of each worker's first ``RUNS_PER_WORKER``
         chunks (a chunk: one run per shard it touches), chunk by chunk across the workers, on as
-        many threads as the store has ranged reads in flight."""
+        many threads as the store has ranged reads in flight. Each worker's plan is planned for
+        those chunks only (``build_plan(head=...)``: 0.05 s for two workers of a 200,000-sample
+        part mix, not 0.2 s); their next use is the epoch's start."""
         runs = []
+        head = RUNS_PER_WORKER * part_chunk(self.batch_size or 1, 1 << 62)  # the first chunks' positions, at least
         for w in range(num_workers):
-            plan, _ = self._worker_plan(num_workers, w, None, self.epoch, shards_only=True)
+            plan, _ = self._worker_plan(num_workers, w, None, self.epoch, shards_only=True, head=head)
             if not plan.parts:
                 return None
-            runs += [(c, w, k, shard, t, rows)
-                     for k, (c, shard, t, rows) in enumerate(first_chunks(plan, self.epoch, RUNS_PER_WORKER))]
+            runs += [(c, w, k, shard, float(self.epoch), rows)
+                     for k, (c, shard, _, rows) in enumerate(first_chunks(plan, self.epoch, RUNS_PER_WORKER))]
         if not runs:
             return None
         runs.sort(key=lambda r: r[:3])
         return HeadStart(self.source, [(r[3], r[4]) for r in runs], rows=[r[5] for r in runs],
                          threads=self.source.store.transfer.range_requests,
-                         name=f"datacache-headstart-r{self.dp_rank}")
+                         name=f"datacache-headstart-r{self.dp_rank}", start=start)
 
     def _pending(self) -> ResumeState | None:
         """The loaded state not yet iterated, if it is of the current epoch."""
@@ -130,12 +135,13 @@ class ResumeMixin:
         return st if st is not None and st.epoch == self.epoch else None
 
     def _worker_plan(self, num_workers: int, w: int, resume: ResumeState | None, epoch: int,
-                     shards_only: bool = False) -> tuple[ConsumerPlan, int]:
+                     shards_only: bool = False, head: int | None = None) -> tuple[ConsumerPlan, int]:
         """(plan, plan positions already delivered) of DataLoader worker ``w`` of ``num_workers``
-        in ``epoch``, continuing from ``resume``: what that worker's ``__iter__`` computes."""
+        in ``epoch``, continuing from ``resume``: what that worker's ``__iter__`` computes
+        (``head``: of a mixed plan, its first ``head`` positions only, ``build_plan``)."""
         spec = resume_spec(self._spec(num_workers, w, epoch=epoch), resume)
         order, skip = resume_plan(self.counts, spec, resume, orders=self._mix)
-        return build_plan(self.counts, spec, order=order, shards_only=shards_only), skip
+        return build_plan(self.counts, spec, order=order, shards_only=shards_only, head=head), skip
 
     def resume_started(self) -> None:
         """A loader's workers took the loaded state (``worker_rounds``): it is no longer pending."""

@@ -92,10 +92,13 @@ class HeadStart:
     ``source`` (a ``ShardSource``) on ``threads`` threads named ``name``-k (taking the shards in
     order); see the module docstring. ``rows``: where given, the shard-local rows of each entry of
     ``shards`` to load into its partial copy (a part mix's first runs, ``fetch_ahead``) instead of
-    the whole shard; the source's partial-copy handles are dropped when the threads are done."""
+    the whole shard; the source's partial-copy handles are dropped when the threads are done.
+    ``start``: start the threads now; else ``start()`` does (``datacache.DataLoader`` plans the
+    head start before its workers fork, so that they inherit the plans it computed, and starts
+    it after)."""
 
     def __init__(self, source: Any, shards: Sequence[tuple[int, float]], *, name: str,
-                 rows: Sequence[list[int]] | None = None, threads: int = 1) -> None:
+                 rows: Sequence[list[int]] | None = None, threads: int = 1, start: bool = True) -> None:
         self._source, self._shards = source, list(shards)
         self._rows = None if rows is None else list(rows)
         if self._rows is not None and len(self._rows) != len(self._shards):
@@ -107,8 +110,14 @@ class HeadStart:
         self._next, self._running = 0, max(1, int(threads))
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{k}" if threads > 1 else name, daemon=True)
                          for k in range(self._running)]
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the threads (once; a closed head start starts none). Not for use from two threads at once."""
         for t in self._threads:
-            t.start()
+            if t.ident is None and not self._stop.is_set():
+                t.start()
 
     def _take(self) -> int | None:
         with self._lock:
@@ -148,7 +157,7 @@ class HeadStart:
         """Stop: abandon the downloads in flight and wait for the threads. Idempotent."""
         self._stop.set()
         for t in self._threads:
-            if t is not threading.current_thread():
+            if t is not threading.current_thread() and t.ident is not None:
                 t.join()
 
 

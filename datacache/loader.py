@@ -103,8 +103,14 @@ class DataLoader(StatefulDataLoader):
             return iter(self._torch)
         self._stop_head()
         rounds = self.dataset.worker_rounds(self.num_workers)
+        # Planned before the fork, so that the workers inherit the plans (a part mix of 200,000
+        # samples: about 0.1 s a process) and the head start's reads lead theirs; its threads
+        # start after the fork (see datacache._headstart).
+        head = self.dataset.head_start(self.num_workers, start=False)
         it = iter(self._torch)  # the workers start (and copy the dataset with any loaded state)
-        self._head = self.dataset.head_start(self.num_workers)  # after the fork: see datacache._headstart
+        if head is not None:
+            head.start()
+        self._head = head
         self.dataset.resume_started()
         self._live = _Counted(it, rounds)
         return self._live

@@ -145,6 +145,29 @@ def test_a_part_mixed_epoch_gets_its_workers_first_chunks_rows_then_every_block_
     ds.close()
 
 
+def test_a_head_start_planned_before_the_fork_fetches_only_once_started(
+        s3_server: Any, make_s3_url: Any, tmp_path: Path) -> None:
+    """``head_start(start=False)`` (``datacache.DataLoader`` plans it before its workers fork, so
+    that they inherit the plans): nothing is read until ``start()``; closed unstarted, it ends."""
+    n, size, per_shard = 960, 1000, 96
+    url = make_s3_url()
+    H.write(url, s3_server.storage_options(), n, size, shard_bytes=per_shard * size,
+            writer_options={"block_bytes": 4 * 1024})
+    ds = _dataset(url, s3_server.storage_options(), tmp_path, node_shuffle="auto", batch_size=8)
+    read_before = ds.source.store.stats()["bytes_read"]
+    unused = ds.head_start(2, start=False)
+    assert unused is not None
+    unused.close()
+    unused.start()  # a closed head start starts no thread
+    head = ds.head_start(2, start=False)
+    assert head is not None and ds.source.store.stats()["bytes_read"] == read_before, "planned, nothing read"
+    head.start()
+    assert head.wait(120) and ds.cache.stats()["partial_bytes"] > 0
+    head.close()
+    assert unused.done
+    ds.close()
+
+
 @pytest.mark.parametrize("slow_start", [True, False])
 def test_a_part_mixed_epochs_first_sample_waits_for_worker_0s_first_chunk_alone(
         s3_server: Any, make_s3_url: Any, slowlink: Any, tmp_path: Path, slow_start: bool) -> None:

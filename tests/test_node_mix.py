@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from datacache import NodeCache, StreamingDataset, write_dataset
-from datacache._headstart import first_chunks
+from datacache._headstart import RUNS_PER_WORKER, first_chunks
 from datacache._nodemix import chunk_bounds, chunk_runs, mix_positions
 from datacache._partmix import part_chunk
 from datacache.plan import PlanSpec, build_plan
@@ -119,6 +119,10 @@ def test_a_head_plan_has_the_first_chunks_of_the_whole_plan(bs: int, dp: int, wo
             assert whole.parts and prefix.parts and len(prefix) == min(head, len(whole))
             firsts = [[(shard, rows) for _, shard, _, rows in first_chunks(p, 0, 1)] for p in (whole, prefix)]
             assert firsts[0] == firsts[1] and firsts[0], (r, w)
+            # the training process's head start plans its workers' first RUNS_PER_WORKER chunks so
+            two = build_plan(counts, spec, shards_only=True, head=RUNS_PER_WORKER * head)
+            firsts = [[(c, shard, rows) for c, shard, _, rows in first_chunks(p, 0, RUNS_PER_WORKER)] for p in (whole, two)]
+            assert firsts[0] == firsts[1], (r, w)
 
 
 @pytest.mark.parametrize("length", [1, 2, 3, 5, 64, 1000, 4097])
