@@ -79,9 +79,9 @@ class MixedSource:
         src, j = self._real(shard)
         return src.read_runs(j, handle, lo, hi)
 
-    def read_rows(self, shard: int, handle: CacheHandle, rows: Iterable[int]) -> dict[int, Any]:
+    def read_rows(self, shard: int, handle: CacheHandle, rows: Iterable[int], *, copy: bool = False) -> dict[int, Any]:
         src, j = self._real(shard)
-        return src.read_rows(j, handle, rows)
+        return src.read_rows(j, handle, rows, copy=copy)
 
     def check_layout(self, dp_size: int, batch_size: int | None, batching_set: bool = True) -> None:
         """``ValueError`` if the epoch cannot give every rank a batch, or (``batching_set``: at use)
