@@ -239,9 +239,11 @@ def test_bench_mix_scenario_and_dropin_variant_tiny(tmp_path: Path) -> None:
     assert set(warm) == {"datacache", "datacache+dropin", "datacache+torch"}
     for r in warm.values():
         assert r["unique_samples"] == r["samples"] == r["n"] and r["batch_size"] == 32
-        # no request in the warm epoch; the proxy may tally the fill epoch's last answer a moment late
-        # (seen once: 1,272 bytes, no request, the fill epoch short by as many)
-        assert r["requests"] == 0 and r["remote_bytes"] < 16 * 1024, r
+        # no request in the warm epoch. The proxy may tally the fill epoch's last answers a moment
+        # late (seen: 1,272 bytes; 50,420 with both cores busy), so bytes are checked over the run
+        # (fill and warm epochs in one process): the dataset crossed the link once
+        assert r["requests"] == 0, r
+        assert r["run_remote_bytes"] <= 1.05 * r["D"] + 16 * 1024, r
     report = (out / "results.md").read_text()
     assert "## mix" in report
     assert "| datacache | 1 | cold | 49/49 · 37/37 · 36/36 | 49 · 37 · 24 | 1 · 1 · 2 |" in report
