@@ -219,12 +219,13 @@ class Consumer:
         to the stash), its other rows taken from the stash (a follower, ``reads`` empty and no
         handle: on the consumer's thread). Rows the stash lacks (their leader's shard was skipped)
         are loaded and read here. By row - lo, as ``_read``; None if the shard is skipped."""
-        got = self._read(shard, handle, lo, lo, reads, copy=True) if handle is not None and len(reads) else {}
+        own, ahead = rows.tolist(), reads.tolist()
+        mine = set(own)
+        stashing = any(r not in mine for r in ahead)  # only samples kept for later runs need memory of their own
+        got = self._read(shard, handle, lo, lo, reads, copy=stashing) if handle is not None and ahead else {}
         if not isinstance(got, dict):
             return None
-        own = rows.tolist()
-        mine = set(own)
-        later = {r: got.pop(r - lo) for r in reads.tolist() if r not in mine}
+        later = {r: got.pop(r - lo) for r in ahead if r not in mine}
         if later:
             self._stash.put_many(shard, later)
         wanted = sorted({r for r in own if r - lo not in got})
