@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.utils.data
 
 from datacache import CacheConfig, NodeCache, StreamingDataset, write_dataset
 from datacache._ragged import Ragged
@@ -83,9 +84,13 @@ def test_a_row_in_several_runs_is_read_once_a_run() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_part_mix_whose_padding_repeats_a_sample_in_one_consumer(tmp_path: Path, cache: NodeCache) -> None:
+@pytest.mark.parametrize("workers", [None, 2])
+def test_a_part_mix_whose_padding_repeats_a_sample_in_one_consumer(tmp_path: Path, cache: NodeCache,
+                                                                   workers: int | None) -> None:
     """400 samples on 3 ranks: each rank reads 134, and ranks 1 and 2 each read one of their own
-    samples twice (the padding). Their leaders once read such a row twice and failed (KeyError)."""
+    samples twice (the padding). In one process per rank the repeat lies in one consumer's runs,
+    whose leader once read the row twice and failed (KeyError); through a DataLoader of 2 workers
+    a rank, as a user reads it, every sample comes once too, plus the 2 padded."""
     url = f"file://{tmp_path}/ds"
     write_dataset(({"i": i, "x": np.full(4, i, dtype=np.int32)} for i in range(400)), url,
                   shard_bytes=2000, progress=False)
@@ -93,7 +98,8 @@ def test_a_part_mix_whose_padding_repeats_a_sample_in_one_consumer(tmp_path: Pat
     repeats = 0
     for rank in range(3):
         ds = StreamingDataset(url, cache=cache, seed=5, dp_rank=rank, dp_size=3)
-        ids = [int(s["i"]) for s in ds]
+        src = ds if workers is None else torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+        ids = [int(s["i"]) for s in src]
         assert len(ids) == 134
         if rank == 0:
             assert ds.stats()["partial_bytes"] > 0, "a part-mixed cold epoch"
