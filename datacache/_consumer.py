@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import takewhile
 from typing import Any
 
@@ -101,10 +101,12 @@ class Consumer:
         self.prefetcher: Prefetcher[tuple[int, int], CacheHandle | PartHandle] = Prefetcher(
             [(i, plan.runs[self.needed[i]][0]) for i in leading], self._load, size_of=self._size_of,
             release=lambda handle: handle.release(), config=prefetch, name=name)
-        # Stage 2: the next runs decoded while the current step is consumed.
+        # Stage 2: the next runs decoded while the current step is consumed: two runs ahead, or in
+        # a mixed plan (whose step yields a chunk once all of its runs are open) the next chunk.
+        decode_size, ahead = decode_ahead(plan)
         self.decoder: Prefetcher[int, _Run] = Prefetcher.bounded(
-            [self.needed[i] for i in leading], self._decode, ahead=_DECODE_AHEAD, release=_Run.release,
-            name=f"{name}-decode")
+            [self.needed[i] for i in leading], self._decode, ahead=ahead, size_of=decode_size,
+            release=_Run.release, name=f"{name}-decode")
         self.consumed = skip
 
     def _size_of(self, item: tuple[int, int]) -> int:
@@ -287,6 +289,19 @@ class Consumer:
 
 _DECODE_AHEAD = 2  # runs decoded ahead of the one being consumed
 _PART_THREADS = 12  # a part mix's loads at once per consumer, at least
+
+
+def decode_ahead(plan: ConsumerPlan) -> tuple[Callable[[int], int], int]:
+    """The decode stage's lookahead: (size of a run, budget). ``_DECODE_AHEAD`` runs; in a mixed
+    plan (``plan.rows``) the positions of the largest step, counted in each run's rows: a step
+    yields its chunk once every run of it is open, so with two runs decoded ahead the next chunk's
+    runs were read one after the other while the consumer waited (a node-mixed epoch of 4 KB
+    samples: 0.15-0.26 s each chunk of 16,000 samples). The samples held stay within the
+    documented two chunks per consumer: the open one and the next."""
+    if plan.rows is None or len(plan.steps) < 2:
+        return (lambda _: 1), _DECODE_AHEAD
+    rows = plan.rows
+    return (lambda run: max(1, len(rows[run]))), max(_DECODE_AHEAD, int(np.diff(plan.steps).max()))
 
 
 def _first_chunk(plan: ConsumerPlan, needed: list[int]) -> int:

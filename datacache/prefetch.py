@@ -82,15 +82,16 @@ class Prefetcher(Generic[T, R]):
 
     @classmethod
     def bounded(cls, items: Sequence[T], load: Callable[[T], R], *, ahead: int,
-                release: Callable[[R], None] | None = None, name: str = "datacache-prefetch") -> "Prefetcher[T, R]":
-        """One thread, at most ``ahead`` items started ahead of the consumer, no adaptation: the
-        plain pipeline stage (decoding, batching). ``load``, ``release``, ``name`` as for the
-        constructor."""
+                size_of: Callable[[T], int] = lambda _: 1, release: Callable[[R], None] | None = None,
+                name: str = "datacache-prefetch") -> "Prefetcher[T, R]":
+        """One thread, at most ``ahead`` units started ahead of the consumer (items, or what
+        ``size_of`` counts, e.g. samples), no adaptation: the plain pipeline stage (decoding,
+        batching). ``load``, ``release``, ``name`` as for the constructor."""
         if ahead < 1:
             raise ValueError(f"ahead must be >= 1 item, not {ahead}")
         config = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=ahead, max_lookahead_bytes=ahead,
                                 adaptive=False, slow_start=False)
-        return cls(items, load, size_of=lambda _: 1, release=release, config=config, name=name)
+        return cls(items, load, size_of=size_of, release=release, config=config, name=name)
 
     # ------------------------------------------------------------------ threads
     def _spawn(self, n: int) -> None:

@@ -8,6 +8,7 @@ an epoch mixes. Resuming a mixed epoch is checked by tests/test_resume.py (epoch
 dataset are node-mixed: it fits in the test cache)."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import replace
 
@@ -18,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from datacache import NodeCache, StreamingDataset, write_dataset
+from datacache._consumer import decode_ahead
 from datacache._headstart import RUNS_PER_WORKER, first_chunks
 from datacache._nodemix import chunk_bounds, chunk_runs, mix_positions
 from datacache._partmix import part_chunk
@@ -301,3 +303,42 @@ def test_epoch_zero_mixes_when_the_share_is_cached_already(sorted_url: str, cach
     warm = epoch0(2)  # another seed's epoch 0, every shard cached: mixed
     assert q(warm) >= 0.9 and sorted(warm) == list(range(N)) and cache.stats()["partial_bytes"] == parts
     assert epoch0(1) == cold  # seed 1's epoch 0 was decided (a part mix): read again, the same order
+
+
+def test_the_decode_stage_reads_the_next_chunk_ahead() -> None:
+    """``_consumer.decode_ahead``: a mixed plan's step yields a chunk once every run of it is open,
+    so the decode stage may hold the largest chunk's positions ahead (counted in each run's rows),
+    not two runs; a plan of whole-shard runs keeps two."""
+    counts = np.full(30, 1000)
+    spec = PlanSpec(seed=4, epoch=1, num_workers=2, batch_size=32, mix_bytes=1 << 40, shard_bytes=counts * 4096)
+    plan = build_plan(counts, spec)
+    assert plan.rows is not None
+    size_of, ahead = decode_ahead(plan)
+    chunks = np.diff(plan.steps)
+    assert ahead == chunks.max() > 1000  # thousands of positions: all of a chunk's runs
+    assert [size_of(r) for r in range(len(plan.runs))] == [len(rows) for rows in plan.rows]
+    assert sum(size_of(r) for r in range(len(plan.runs))) == len(plan)
+    size_of, ahead = decode_ahead(build_plan(counts, replace(spec, mix_bytes=0)))
+    assert ahead == 2 and size_of(0) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_node_mixed_consumer_decodes_its_next_chunk_while_it_yields_one(sorted_url: str, cache: NodeCache) -> None:
+    """While the consumer yields its first chunks, the decode stage reads every run of the next
+    one (with two runs ahead, the consumer waited for them one by one at each chunk's start)."""
+    ds = StreamingDataset(sorted_url, cache=cache, seed=5, node_shuffle="always")
+    it = iter(ds)
+    next(it)  # the first chunk is open
+    consumer = ds._consumer
+    plan = consumer.plan
+    steps = np.flatnonzero(np.diff(plan.steps))  # the steps that yield (each chunk's last run)
+    first_yield = int(steps[0])
+    next_chunk = int(steps[1]) - first_yield  # the runs of the second chunk
+    assert next_chunk > 2
+    deadline = time.monotonic() + 60
+    while consumer.decoder.depth < next_chunk:  # the decode thread is reading them: no sleep, a bounded wait
+        assert time.monotonic() < deadline, f"decoded {consumer.decoder.depth} runs ahead, not {next_chunk}"
+        time.sleep(0.01)
+    rest = list(it)
+    ds.close()
+    assert len(rest) == N - 1
