@@ -54,8 +54,6 @@ class DataLoader(StatefulDataLoader):
     - ``shuffle``, ``sampler``, ``batch_sampler``: refused (the dataset's seeded plan shuffles;
       pass ``shuffle``/``seed`` to ``StreamingDataset``), as torch refuses them for any
       ``IterableDataset``; so is ``in_order=False`` (the state counts on torch's in-order turns).
-    - ``prefetch_factor``: by default the batches of about 8 MiB a worker (``prefetch_factor``),
-      2 to 8, not torch's 2: a worker's batches come in bursts where it waits on the network.
     - ``snapshot_every_n_steps``: accepted and unused (there is no per-step snapshot).
     - ``state_dict()``: the rank's complete ``StreamingDataset`` state (``datacache.resume``), as of
       the last batch handed to the training loop; ``load_state_dict`` takes it (or any state
@@ -86,8 +84,6 @@ class DataLoader(StatefulDataLoader):
             _configure(dataset, batch_size, collate_fn, drop_last)
             batch_size, collate_fn, drop_last = None, None, False
             kwargs.pop("snapshot_every_n_steps", None)
-            if num_workers > 0 and kwargs.get("prefetch_factor") is None:
-                kwargs["prefetch_factor"] = prefetch_factor(dataset)
             self._plain = dict(batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **kwargs)
         super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
                          batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -189,26 +185,6 @@ def batch_step(it: Any) -> Callable[[], Any]:
         return data
 
     return next_batch
-
-
-PREFETCH_BYTES = 8 << 20  # a worker's batches in flight, by default: as many as fit, 2 to 8
-
-
-def prefetch_factor(ds: StreamingDataset) -> int:
-    """The batches each worker may have in flight when the user passes no ``prefetch_factor``: as
-    many as fit in ``PREFETCH_BYTES`` at the dataset's mean stored sample size (its shards' bytes
-    over its samples: what a batch of raw samples takes; decoded or transformed samples may be
-    larger, and then 2 or few more are in flight), from torch's 2 up to 8 (a
-    batched dataset's ring has 16 slots a worker, ``datacache._batches``). A worker's batches come
-    in bursts where it waits on the network (a cold part mix: a batch waits for its parts, then
-    several are ready at once), and torch takes them in turn: with two in flight the training loop
-    waited on one worker while the other sat idle with nothing to send (the 200,000 x 4 KB cold
-    epoch of ``tools/bench.py --scenario shuffle``: 109 waits over 10 ms, 3.0 s, against 67 and
-    2.1 s with 8)."""
-    m = ds.manifest
-    samples = sum(s.samples for s in m.shards)
-    per_batch = max(1, sum(s.bytes for s in m.shards) // max(samples, 1)) * (ds.batch_size or 1)
-    return max(2, min(8, PREFETCH_BYTES // per_batch))
 
 
 def _configure(ds: StreamingDataset, batch_size: int | None, collate_fn: Callable[[list[Any]], Any] | None,

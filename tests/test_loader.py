@@ -227,24 +227,3 @@ def test_its_state_continues_in_torchdatas_loader_and_back(url: str, cache: Node
     got += [tuple(ids_of(b)) for b in loader]
     loader.dataset.close()
     assert got == ref
-
-
-def test_workers_keep_about_8_mib_of_batches_in_flight(url: str, cache: NodeCache, tmp_path: Any) -> None:
-    """``prefetch_factor`` by default: as many batches as fit in 8 MiB a worker at the mean stored
-    sample size, 2 to 8 (torch's is 2); one the user passes is kept."""
-    ds = StreamingDataset(url, cache=cache, seed=3)
-    assert datacache.DataLoader(ds, batch_size=32, num_workers=2).prefetch_factor == 8  # tiny samples
-    assert datacache.DataLoader(ds, batch_size=32, num_workers=2, prefetch_factor=3).prefetch_factor == 3
-    assert datacache.DataLoader(ds, batch_size=32, num_workers=0).prefetch_factor is None  # torch's rule
-    ds.close()
-    big = f"file://{tmp_path}/big"
-    rng = np.random.default_rng(0)  # incompressible: stored as large as they are
-    write_dataset(({"x": rng.integers(0, 255, 1 << 16, dtype=np.uint8)} for _ in range(64)), big, progress=False)
-    ds = StreamingDataset(big, cache=cache, seed=3)
-    assert datacache.DataLoader(ds, batch_size=32, num_workers=2).prefetch_factor == 3  # batches of 2 MiB and a little
-    ds.close()
-    ds = StreamingDataset(big, cache=cache, seed=3)
-    loader = datacache.DataLoader(ds, batch_size=64, num_workers=2)
-    assert loader.prefetch_factor == 2  # 4 MiB batches: torch's default, never fewer
-    assert sum(len(b["x"]) for b in loader) == 64
-    ds.close()
