@@ -306,9 +306,10 @@ def test_epoch_zero_mixes_when_the_share_is_cached_already(sorted_url: str, cach
 
 
 def test_the_decode_stage_reads_the_next_chunk_ahead() -> None:
-    """``_consumer.decode_ahead``: a mixed plan's step yields a chunk once every run of it is open,
-    so the decode stage may hold the largest chunk's positions ahead (counted in each run's rows),
-    not two runs; a plan of whole-shard runs keeps two."""
+    """``_consumer.decode_ahead``: a node-mixed plan's step yields a chunk once every run of it is
+    open, so the decode stage may hold the largest chunk's positions ahead (counted in each run's
+    rows), not two runs; a plan of whole-shard runs and a part mix (whose decode stage would let
+    its fetch stage start more reads at once) keep two."""
     counts = np.full(30, 1000)
     spec = PlanSpec(seed=4, epoch=1, num_workers=2, batch_size=32, mix_bytes=1 << 40, shard_bytes=counts * 4096)
     plan = build_plan(counts, spec)
@@ -319,6 +320,10 @@ def test_the_decode_stage_reads_the_next_chunk_ahead() -> None:
     assert [size_of(r) for r in range(len(plan.runs))] == [len(rows) for rows in plan.rows]
     assert sum(size_of(r) for r in range(len(plan.runs))) == len(plan)
     size_of, ahead = decode_ahead(build_plan(counts, replace(spec, mix_bytes=0)))
+    assert ahead == 2 and size_of(0) == 1
+    part = build_plan(counts, replace(spec, epoch=0, mix_from=1, part_bytes=1 << 20, unit_rows=240))
+    assert part.parts and part.rows is not None
+    size_of, ahead = decode_ahead(part)
     assert ahead == 2 and size_of(0) == 1
 
 
