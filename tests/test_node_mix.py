@@ -8,7 +8,6 @@ an epoch mixes. Resuming a mixed epoch is checked by tests/test_resume.py (epoch
 dataset are node-mixed: it fits in the test cache)."""
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import replace
 
@@ -24,6 +23,7 @@ from datacache._headstart import RUNS_PER_WORKER, first_chunks
 from datacache._nodemix import chunk_bounds, chunk_runs, mix_positions
 from datacache._partmix import part_chunk
 from datacache.plan import PlanSpec, build_plan
+from tests.helpers import faults
 from tests.helpers.plans import SETTINGS
 
 CLASSES = 100
@@ -340,10 +340,8 @@ def test_a_node_mixed_consumer_decodes_its_next_chunk_while_it_yields_one(sorted
     first_yield = int(steps[0])
     next_chunk = int(steps[1]) - first_yield  # the runs of the second chunk
     assert next_chunk > 2
-    deadline = time.monotonic() + 60
-    while consumer.decoder.depth < next_chunk:  # the decode thread is reading them: no sleep, a bounded wait
-        assert time.monotonic() < deadline, f"decoded {consumer.decoder.depth} runs ahead, not {next_chunk}"
-        time.sleep(0.01)
+    faults.wait_for(lambda: consumer.decoder.depth >= next_chunk, 60,
+                    f"the decode stage to start the {next_chunk} runs of the next chunk (two before)")
     rest = list(it)
     ds.close()
     assert len(rest) == N - 1
