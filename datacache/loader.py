@@ -107,7 +107,12 @@ class DataLoader(StatefulDataLoader):
         # samples: about 0.1 s a process) and the head start's reads lead theirs; its threads
         # start after the fork (see datacache._headstart).
         head = self.dataset.head_start(self.num_workers, start=False)
-        it = iter(self._torch)  # the workers start (and copy the dataset with any loaded state)
+        try:
+            it = iter(self._torch)  # the workers start (and copy the dataset with any loaded state)
+        except BaseException:
+            if head is not None:  # planned, never started: nothing in flight, nothing left open
+                head.close()
+            raise
         if head is not None:
             head.start()
         self._head = head
