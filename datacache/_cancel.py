@@ -30,6 +30,8 @@ def cat_range(fs: Any, path: str, start: int, end: int, cancelled: Callable[[], 
         try:
             return future.result(timeout=_POLL)
         except FutureTimeout:
+            if future.done():  # the GET's own timeout: aiohttp's are TimeoutErrors too, as is this wait's
+                return future.result()
             if cancelled():
                 future.cancel()  # cancels the GET's task on the loop
                 raise ReadCancelledError("read: cancelled by its caller", url=url) from None
