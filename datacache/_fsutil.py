@@ -63,10 +63,6 @@ def fs_options(protocol: str, storage_options: dict | None, transfer: TransferCo
         config.setdefault("connect_timeout", min(transfer.timeout, 10.0))
         config.setdefault("read_timeout", transfer.timeout)
         config.setdefault("max_pool_connections", max(10, pool_size))
-        if not opts.get("anon"):  # (s3fs sets UNSIGNED itself there, and refuses a second one)
-            # SigV4 for presigned URLs too (``_presigned``): botocore presigns SigV2 by default in
-            # us-east-1, which S3 refuses for buckets made since 2020; requests are SigV4 either way
-            config.setdefault("signature_version", "s3v4")
         opts["config_kwargs"] = config
     return opts
 

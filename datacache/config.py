@@ -90,11 +90,6 @@ class TransferConfig:
     ``max_requests_per_s``: optional budget of requests per second to this store prefix for the
     whole node, kept by every process of the node together (a token bucket in the cache's control
     directory); set it below the store's limit divided by the number of nodes reading the prefix.
-
-    ``presigned``: on ``s3://``, make ranged GETs as plain HTTP requests of a presigned URL per object
-    (``datacache._presigned``: 1.4 ms of client CPU per 1 MB GET here, against 3.6-3.9 ms through
-    botocore). Used only where the options add nothing to a GET (no ``s3_additional_kwargs``, no
-    ``version_aware``); a store that refuses such URLs is read through s3fs after the first refusal.
     """
 
     part_bytes: int = 8 << 20
@@ -103,7 +98,6 @@ class TransferConfig:
     range_requests: int = 4
     timeout: float = 60.0
     max_requests_per_s: float | None = None
-    presigned: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "part_bytes", parse_size(self.part_bytes))

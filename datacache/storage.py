@@ -10,11 +10,6 @@ store's thread pool (threads named
 ``datacache-io-N``, 4 x concurrency of them, at most 64, shared by concurrent calls); ``read_into``
 writes each part at its offset with ``os.pwrite`` so a shard never has to be held in memory.
 
-Presigned ranged GETs: on ``s3://`` each ranged GET is a plain HTTP request of a presigned URL per
-object (``datacache._presigned``, ``TransferConfig.presigned``): the same request for the store, a
-third of botocore's client CPU per 1 MB GET. Its errors are classified as s3fs's; a store that
-refuses such URLs is read through s3fs from its first refusal on.
-
 Cancellation: ``read_into(..., cancelled=f)`` abandons the read as soon as ``f()`` is true (Ctrl-C in
 the CLI, a closed prefetcher, a DataLoader worker whose parent died): on async filesystems (s3fs) a
 ranged GET in flight is cancelled on fsspec's event loop (its connection is dropped) within
@@ -47,7 +42,6 @@ restart from zero in the child.
 """
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -61,7 +55,6 @@ import fsspec
 from fsspec.core import split_protocol
 
 from ._cancel import cat_range
-from ._presigned import PresignedRanges, PresignedRefused
 from ._fsutil import S3, abandon_inherited, fs_options, read_parts, replace_local, shared_loader
 from ._slots import PrioritySlots
 from ._retry import ShortReadError, check_name as _check_name, error_code, retry_call, secret_values
@@ -71,7 +64,6 @@ from .errors import IntegrityError, NotFoundError, StorageError
 
 __all__ = ["open_store", "Store"]
 
-log = logging.getLogger("datacache.storage")
 SMALL_READ = 64 << 10  # read_range: a read this small takes no request slot
 _thread_ids = count()
 _stores: "weakref.WeakSet[Store]" = weakref.WeakSet()
@@ -134,7 +126,6 @@ class Store:
         self._range_requests = PrioritySlots(self.transfer.range_requests)
         self._pid = os.getpid()
         self._fs: Any = None
-        self._ranges: PresignedRanges | None = None  # s3: ranged GETs of presigned URLs (TransferConfig.presigned)
         self._root = ""
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
@@ -147,9 +138,7 @@ class Store:
         self._pid = os.getpid()
         if self._fs is not None:
             abandon_inherited(self._fs)
-        if self._ranges is not None:
-            abandon_inherited(self._ranges.http)
-        self._fs, self._pool, self._ranges = None, None, None
+        self._fs, self._pool = None, None
         self._stats = {"requests": 0, "retries": 0, "bytes_read": 0, "bytes_written": 0, "errors": {}}
 
     def _session(self) -> dict[str, Any]:
@@ -212,7 +201,6 @@ class Store:
                         "package (s3fs, gcsfs, adlfs) must be installed") from exc
                 if self.protocol in S3:
                     fs.retries = 1  # one attempt per s3fs call (not an __init__ option): RetryConfig rules
-                    self._ranges = self._presigned(fs)
                 self._root = fs._strip_protocol(self.url).rstrip("/") + "/"
                 self._fs = fs
             if self._pool is None:
@@ -220,28 +208,6 @@ class Store:
                     threading.current_thread().name = f"datacache-io-{next(_thread_ids)}"
                 self._pool = ThreadPoolExecutor(self._pool_size, initializer=_name_thread)
             return self._fs, self._pool
-
-    def _presigned(self, fs: Any) -> PresignedRanges | None:
-        """The presigned ranged GETs of an s3fs filesystem, where they apply (``TransferConfig.presigned``)."""
-        if not self.transfer.presigned or self._options.get("s3_additional_kwargs") or self._options.get("version_aware"):
-            return None
-        http = fsspec.filesystem("http", skip_instance_cache=True, loop=fs.loop)
-        return PresignedRanges(fs, http, timeout=self.transfer.timeout)
-
-    def _cat(self, fs: Any, path: str, start: int, end: int, cancelled: Callable[[], bool] | None, url: str) -> bytes:
-        """One ranged GET: of the object's presigned URL where the store takes them, else through ``fs``."""
-        ranges = self._ranges
-        if ranges is None:
-            return cat_range(fs, path, start, end, cancelled, url)
-        try:
-            return cat_range(ranges, path, start, end, cancelled, url)
-        except PresignedRefused as refused:
-            data = cat_range(fs, path, start, end, cancelled, url)  # the answer that counts
-            if self._ranges is not None:
-                self._ranges = None
-                log.warning("datacache: %s refused a presigned ranged GET (%s) that s3fs's was served; "
-                            "reading it through s3fs from now on", self.url, self._redact(str(refused)))
-            return data
 
     def _bump(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -429,7 +395,7 @@ class Store:
 
         def get(fs: Any, path: str) -> bytes:
             try:
-                data = self._cat(fs, path, start, end + extra, cancelled, self.url_of(name))
+                data = cat_range(fs, path, start, end + extra, cancelled, self.url_of(name))
             except Exception as exc:
                 if error_code(exc) != "InvalidRange":
                     raise

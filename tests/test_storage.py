@@ -316,3 +316,22 @@ def test_parallel_ranged_gets_and_no_head_when_size_is_known(s3_server: Any, s3_
         assert store.read_bytes("g.bin") == data
         assert (link.requests, link.gets) == (6, 5)  # one HEAD for the size
         assert store.stats()["requests"] == 11
+
+
+@pytest.mark.timeout(60)
+def test_a_get_that_times_out_on_an_async_filesystem_is_retried_not_waited_on(s3_server: Any, slowlink: Any) -> None:
+    """fsspec's HTTPFileSystem (aiohttp) raises builtin ``TimeoutError``s, as does the poll of a
+    cancellable wait (``_cancel.cat_range``): a GET's own timeout must end that wait, not be taken for
+    a poll (it was, and the read waited forever). The store answers 403 to these unsigned GETs; the
+    timeout comes first."""
+    import aiohttp
+
+    link = slowlink(latency_spike=(1, 2.0))  # every request: 2 s before the server sees it
+    opts = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, sock_read=0.3)}}
+    retry = RetryConfig(attempts=3, base_delay=0.01, max_delay=0.05, deadline=20)
+    with open_store(f"{link.endpoint_url}/{s3_server.bucket}/", opts, retry=retry) as store:
+        for cancelled in (None, lambda: False):
+            with pytest.raises(TransientStorageError) as info:
+                store.read_range("o.bin", 0, 100, cancelled=cancelled)
+            assert "3 attempts" in str(info.value) and "Timeout" in str(info.value)
+    assert link.requests == 6

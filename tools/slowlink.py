@@ -8,10 +8,7 @@
   The clock is a token bucket ``BURST`` bytes deep: when the proxy thread was not scheduled in time
   (a busy 2-core machine) the link catches up by at most that much, so a saturated link delivers
   its nominal rate, and no window longer than ``BURST / bandwidth`` (2.6 ms at 50 MB/s) exceeds it;
-* metering: ``bytes_down``, ``bytes_up``, ``requests`` (HTTP request starts), ``gets``,
-  ``signed_urls`` (requests of a presigned URL: ``X-Amz-Signature`` in the request line);
-* ``refuse_signed_urls``: such requests get ``403 AccessDenied`` here, as from a store or proxy
-  that does not take query-string authentication (not counted in ``injected``);
+* metering: ``bytes_down``, ``bytes_up``, ``requests`` (HTTP request starts), ``gets``;
 * fault injection, settable at any time: ``fail_every`` (every Nth request gets an immediate
   ``503 Slow Down`` with an S3 XML body and ``Connection: close``, never reaching the server),
   ``reset_every`` (every Nth request's response is cut by a TCP reset after a few KB),
@@ -53,15 +50,14 @@ BURST = 2 * CHUNK
 RESET_AFTER = 4096  # bytes of a response forwarded before an injected reset
 
 
-def _slowdown_response(n: int, head_request: bool = False, *, status: str = "503 Slow Down",
-                       code: str = "SlowDown", message: str = "Please reduce your request rate.") -> bytes:
+def _slowdown_response(n: int, head_request: bool = False) -> bytes:
     body = (
-        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-        f"<Message>{message}</Message>"
+        '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+        "<Message>Please reduce your request rate.</Message>"
         f"<RequestId>slowlink-{n}</RequestId><HostId>slowlink</HostId></Error>"
     ).encode()
     head = (
-        f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
+        "HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
         f"Content-Length: {len(body)}\r\nx-amz-request-id: slowlink-{n}\r\nConnection: close\r\n\r\n"
     ).encode()
     return head if head_request else head + body  # a HEAD response carries no body
@@ -85,14 +81,12 @@ class SlowLink:
 
     def __init__(self, target_host: str, target_port: int, *, bandwidth: float = 50e6, latency: float = 0.02,
                  listen_host: str = "127.0.0.1", listen_port: int = 0, fail_every: int = 0,
-                 reset_every: int = 0, latency_spike: tuple[int, float] | None = None,
-                 refuse_signed_urls: bool = False) -> None:
+                 reset_every: int = 0, latency_spike: tuple[int, float] | None = None) -> None:
         self.target_host, self.target_port = target_host, target_port
         self.bandwidth = bandwidth  # bytes/s; <= 0 or inf means unlimited; may be changed at runtime
         self.latency = latency
         self.listen_host, self.port = listen_host, listen_port
         self.fail_every, self.reset_every, self.latency_spike = fail_every, reset_every, latency_spike
-        self.refuse_signed_urls = refuse_signed_urls
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -107,7 +101,7 @@ class SlowLink:
     def reset_counters(self) -> None:
         """Zero all counters (the request numbering used for fault injection restarts too)."""
         with self._lock:
-            self.bytes_down = self.bytes_up = self.requests = self.gets = self.injected = self.signed_urls = 0
+            self.bytes_down = self.bytes_up = self.requests = self.gets = self.injected = 0
             self.connections = 0
             self.throttled_at: list[float] = []
 
@@ -115,8 +109,7 @@ class SlowLink:
         """A consistent copy of the counters."""
         with self._lock:
             return {"bytes_down": self.bytes_down, "bytes_up": self.bytes_up, "requests": self.requests,
-                    "gets": self.gets, "injected": self.injected, "connections": self.connections,
-                    "signed_urls": self.signed_urls}
+                    "gets": self.gets, "injected": self.injected, "connections": self.connections}
 
     def _add(self, **kw: int) -> None:
         with self._lock:
@@ -293,18 +286,12 @@ class SlowLink:
 
     async def _request_start(self, conn: _Conn, data: bytes, client_r: asyncio.StreamReader) -> bool:
         """Count a request, apply latency and faults; False if the connection was failed."""
-        signed = b"X-Amz-Signature=" in data.split(b"\r\n", 1)[0]  # a presigned URL's request line
         with self._lock:
             self.requests += 1
-            self.signed_urls += signed
             n = self.requests
             if data.startswith(b"GET "):
                 self.gets += 1
         fail, reset, spike = self.fail_every, self.reset_every, self.latency_spike
-        if signed and self.refuse_signed_urls:
-            return await self._refuse(conn, client_r, _slowdown_response(
-                n, data.startswith(b"HEAD "), status="403 Forbidden", code="AccessDenied",
-                message="Query-string authentication is not allowed here."))
         delay = self.latency
         if spike and spike[0] > 0 and n % spike[0] == 0:
             delay += spike[1]
@@ -319,23 +306,19 @@ class SlowLink:
                 self.throttled_at.append(now - start)
         if storm or (fail and n % fail == 0):
             self._add(injected=1)
-            return await self._refuse(conn, client_r, _slowdown_response(n, data.startswith(b"HEAD ")))
+            conn.client_w.write(_slowdown_response(n, data.startswith(b"HEAD ")))
+            await conn.client_w.drain()
+            try:  # discard what the client still sends (a request body) so the 503 is read, not reset
+                conn.client_w.write_eof()
+                while await asyncio.wait_for(client_r.read(CHUNK), timeout=1.0):
+                    pass
+            except (OSError, asyncio.TimeoutError):
+                pass
+            self._close(conn)
+            return False
         if reset and n % reset == 0:
             conn.cut_after = RESET_AFTER
         return True
-
-    async def _refuse(self, conn: _Conn, client_r: asyncio.StreamReader, answer: bytes) -> bool:
-        """Answer a request here (it never reaches the server) and close its connection: False."""
-        conn.client_w.write(answer)
-        await conn.client_w.drain()
-        try:  # discard what the client still sends (a request body) so the answer is read, not reset
-            conn.client_w.write_eof()
-            while await asyncio.wait_for(client_r.read(CHUNK), timeout=1.0):
-                pass
-        except (OSError, asyncio.TimeoutError):
-            pass
-        self._close(conn)
-        return False
 
     async def _pump_down(self, conn: _Conn, server_r: asyncio.StreamReader) -> None:
         try:
