@@ -298,8 +298,9 @@ def measured_step(compute: float, n: int = STEP_SAMPLES) -> float:
 def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[], None],
               max_bytes: float = float("inf"), n: int = 0, bounds: list[int] | None = None) -> dict[str, Any]:
     """One epoch: wall, data wait (time in ``next``, worker start-up included: ``startup`` is the
-    time in ``iter(loader)``), remote bytes at the proxy, shuffle quality of the batches on the
-    class-sorted ``n`` samples (``tools/bench_quality.py``), with a mix's stream ``bounds`` the
+    time in ``iter(loader)``; ``batch_waits``: each batch's, beside ``batch_times``: when each
+    came), remote bytes at the proxy, shuffle quality of the batches on the class-sorted ``n``
+    samples (``tools/bench_quality.py``), with a mix's stream ``bounds`` the
     samples per stream (``bench_mix.StreamCounts``). Stops early ("aborted") once the epoch has
     pulled more than ``max_bytes`` (thrashing)."""
     barrier()
@@ -309,7 +310,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     batches = 0
     it, startup, quality = None, 0.0, BatchQuality(n) if n else None
     per_stream = bench_mix.StreamCounts(bounds) if bounds else None
-    stop, tripped, timeline, arrivals, got = threading.Event(), [], [], [], []
+    stop, tripped, timeline, arrivals, got, waits = threading.Event(), [], [], [], [], []
 
     def watchdog() -> None:  # samples the link; interrupts the loop (even in next()) once the epoch
         last = (0, 0, time.perf_counter())  # thrashes, or stalls (no batch and no byte for STALL_S)
@@ -338,7 +339,8 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
                 batch = next(it)
             except StopIteration:
                 break
-            wait += time.perf_counter() - ta
+            waits.append(time.perf_counter() - ta)
+            wait += waits[-1]
             first = time.perf_counter() - t0 if first is None else first
             arrivals.append(time.perf_counter() - t0)
             got.append(_batch_ids(batch))  # a copy; counted after the epoch, outside the timing
@@ -360,10 +362,12 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     samples = sum(len(ids) for ids in got)
     head = got[0][:8].tolist() if got else None  # the epoch's order differs from the last one's?
     arrivals = [round(t, 4) for t in arrivals]
+    waits = [round(t, 5) for t in waits]
     return {"wall": wall, "own_wall": own, "wait": wait, "first_batch": first, "compute": batches * step,
             "compute_nominal": batches * compute,
             "batches": batches, "samples": samples, "unique_samples": unique, "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
             "requests": m1["requests"] - m0["requests"], "link_timeline": timeline, "batch_times": arrivals,
+            "batch_waits": waits,
             "startup": startup, "first_ids": head, **(quality.summary() if quality is not None else {}),
             **(per_stream.summary() if per_stream is not None else {}),
             **({"aborted": aborted} if aborted else {})}
