@@ -306,7 +306,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     barrier()
     m0 = meter(meter_url)
     t0 = time.perf_counter()
-    wait, first, aborted = 0.0, None, None
+    first, aborted = None, None
     batches = 0
     it, startup, quality = None, 0.0, BatchQuality(n) if n else None
     per_stream = bench_mix.StreamCounts(bounds) if bounds else None
@@ -340,7 +340,6 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
             except StopIteration:
                 break
             waits.append(time.perf_counter() - ta)
-            wait += waits[-1]
             first = time.perf_counter() - t0 if first is None else first
             arrivals.append(time.perf_counter() - t0)
             got.append(_batch_ids(batch))  # a copy; counted after the epoch, outside the timing
@@ -362,7 +361,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     samples = sum(len(ids) for ids in got)
     head = got[0][:8].tolist() if got else None  # the epoch's order differs from the last one's?
     arrivals = [round(t, 4) for t in arrivals]
-    waits = [round(t, 5) for t in waits]
+    wait, waits = sum(waits), [round(t, 5) for t in waits]
     return {"wall": wall, "own_wall": own, "wait": wait, "first_batch": first, "compute": batches * step,
             "compute_nominal": batches * compute,
             "batches": batches, "samples": samples, "unique_samples": unique, "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
