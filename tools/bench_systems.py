@@ -339,9 +339,10 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
                 batch = next(it)
             except StopIteration:
                 break
-            waits.append(time.perf_counter() - ta)
-            first = time.perf_counter() - t0 if first is None else first
-            arrivals.append(time.perf_counter() - t0)
+            now = time.perf_counter()
+            waits.append(now - ta)
+            first = now - t0 if first is None else first
+            arrivals.append(now - t0)
             got.append(_batch_ids(batch))  # a copy; counted after the epoch, outside the timing
             batches += 1
             if compute:
