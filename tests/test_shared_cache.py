@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 N = 480  # samples per dataset: equal counts, so zip() reads both in lockstep
 EPOCHS = 4
 SLACK = 1.1
+EPOCH_SLACK = 1.2  # any one epoch of two processes (test_two_datasets_two_processes)
 
 
 def _samples(width: int, seed: int):
@@ -142,7 +143,14 @@ def test_two_datasets_two_processes(two_datasets: list[tuple[str, int]], s3_serv
                 p.wait()
     bound = _bound(two_datasets, capacity)
     print("remote bytes per epoch", per_epoch, "bound", bound)
-    assert all(b <= SLACK * bound for b in per_epoch[1:]), (per_epoch, bound)
+    # Two processes' clocks drift apart by whatever share of the CPU each gets, and the policy
+    # compares them as if they moved at one pace: one epoch may then fetch a shard or two more
+    # (one 4 KB shard is 3.6 % of the bound). Measured: 1.01-1.03 x per epoch idle and with both
+    # cores busy, one epoch at 1.100 x in a CI run (mean 1.044 x). With the other process's plan
+    # ignored (the bug this test is for) every epoch measured 1.29-1.42 x, mean 1.36-1.37 x.
+    later = per_epoch[1:]
+    assert sum(later) <= SLACK * bound * len(later), (per_epoch, bound)
+    assert all(b <= EPOCH_SLACK * bound for b in later), (per_epoch, bound)
 
 
 # --------------------------------------------------------------------------- the node policy itself
