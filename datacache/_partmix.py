@@ -17,7 +17,14 @@ and the last ones over ever fewer, so little is left to read once the last byte 
 of the samples of the last 96 parts are read after all the others, in a uniform order, so the
 epoch's last batches draw from 96 parts too (about 430 samples left after the last byte; 0.4 of
 64 left the bench's last 5 % of batches at 0.78 of random, 0.3 of 96 at 0.84, seeds 0-2 at least
-0.83).
+0.83). Where a part holds ``NARROW_ROWS`` samples or more, the window also narrows linearly to
+half over the last ``PART_NARROW`` parts: the taper packs the last parts' samples into the
+epoch's last steps, and a part of 240 samples (4 KB samples in 1 MB) holds 7.5 batches, so a
+consumer barely faster than the link was left about 1.2 s of batches after the last byte. Half
+the window over the last 256 parts cut that to 1.0 s (8 interleaved pairs on the 200,000 x 4 KB
+cold epoch with a 2 ms step, ``docs/bench/shuffle-200k-narrow``), its last 5 % at 0.87 of random
+against 0.89. A part of 15 samples (the bench's 64 KB) holds half a batch: there the plan model
+gained nothing and put the last 5 % at 0.81, so its window stays whole.
 
 Node time: the node's consumers read in lockstep, its ranks side by side, and a rank's
 DataLoader takes its workers' batches in turn. So batch ``k`` of worker ``w`` of a rank comes at
@@ -43,10 +50,12 @@ from ._nodemix import FIRST_CHUNK
 from ._nodeorder import memo, readonly
 from ._pieces import Pieces
 
-__all__ = ["PART_BYTES", "PART_WINDOW", "part_mixes", "part_rows", "part_chunk", "part_piece"]
+__all__ = ["PART_BYTES", "PART_WINDOW", "PART_NARROW", "part_mixes", "part_rows", "part_chunk", "part_piece"]
 
 PART_BYTES = 1 << 20  # a part's bytes: a dcz block's, by default
 PART_WINDOW = 128  # parts of the node's sliding window: a batch draws from about half as many
+PART_NARROW = 256  # the last parts over which the window narrows to half, where a part holds NARROW_ROWS or more
+NARROW_ROWS = 64  # samples a part holds at least for the window to narrow at the end
 _END_PARTS, _END_SHARE = 96, 0.3  # the epoch's end: 0.3 of the last 96 parts' samples, read last together
 _RAMP0, _RAMP = 2, 8  # the window of the epoch's first parts: part m spreads over 2 + 8 m (the first batch waits for few)
 
@@ -93,24 +102,27 @@ def part_chunk(batch_size: int, chunk_samples: int) -> int:
 
 def part_piece(block: Pieces, offsets: np.ndarray, lo: int, hi: int, *, rows: int, window: int, seed: int,
                epoch: int, node: int, node_ranks: int, per: int, bounds: np.ndarray, batch_size: int,
-               pad: int = 0) -> np.ndarray:
+               pad: int = 0, narrow: int = 0) -> np.ndarray:
     """The samples (global ids) of node positions ``lo .. hi - 1`` (rank-major: rank ``r``'s
     positions are ``r * per ..``; ``bounds``: where each worker's share of a rank starts, plus the
     end) under the part mix of ``block``, the node's part of the epoch order, whose last ``pad``
     positions are padding repeats: they stay last in node time (the node's last slots), as in a
-    windowed plan, so a state saved before them and resumed by another world reads none."""
-    key = ("partmix", rows, window, seed, epoch, node, node_ranks, per, batch_size, pad,
+    windowed plan, so a state saved before them and resumed by another world reads none.
+    ``narrow``: the last parts over which the window narrows (``PlanSpec.part_narrow``)."""
+    key = ("partmix", rows, window, seed, epoch, node, node_ranks, per, batch_size, pad, narrow,
            tuple(bounds.tolist()), block.shard.tobytes(), block.lo.tobytes(), block.hi.tobytes())
     dealt = memo(key, lambda: readonly(_deal(block, offsets, rows=rows, window=window, seed=seed, epoch=epoch,
                                              node=node, node_ranks=node_ranks, per=per, bounds=bounds,
-                                             batch_size=batch_size, pad=pad)))
+                                             batch_size=batch_size, pad=pad, narrow=narrow)))
     return dealt[lo:hi]
 
 
 def _deal(block: Pieces, offsets: np.ndarray, *, rows: int, window: int, seed: int, epoch: int, node: int,
-          node_ranks: int, per: int, bounds: np.ndarray, batch_size: int, pad: int) -> np.ndarray:
+          node_ranks: int, per: int, bounds: np.ndarray, batch_size: int, pad: int, narrow: int) -> np.ndarray:
     real = len(block) - pad
-    order = _node_order(block.cut(0, real), offsets, rows=rows, window=window, seed=seed, epoch=epoch, node=node)
+    narrow = narrow if rows >= NARROW_ROWS else 0  # see the module docstring
+    order = _node_order(block.cut(0, real), offsets, rows=rows, window=window, seed=seed, epoch=epoch, node=node,
+                        narrow=narrow)
     if pad:  # the padding last, in node time
         order = np.concatenate([order, block.cut(real, len(block)).samples(offsets)])
     slot = _slots(node_ranks, per, bounds, batch_size)
@@ -131,8 +143,9 @@ def _parts(block: Pieces, rows: int) -> Pieces:
 
 
 def _node_order(block: Pieces, offsets: np.ndarray, *, rows: int, window: int, seed: int, epoch: int,
-                node: int) -> np.ndarray:
-    """The node's samples in node time: the parts permuted, then the sliding-window keys."""
+                node: int, narrow: int = 0) -> np.ndarray:
+    """The node's samples in node time: the parts permuted, then the sliding-window keys; over the
+    last ``narrow`` parts the window narrows linearly to half (see the module docstring)."""
     parts = _parts(block, rows)
     rng = np.random.default_rng([seed, epoch, 3, node])
     parts = parts.take(rng.permutation(len(parts.shard)))
@@ -140,7 +153,11 @@ def _node_order(block: Pieces, offsets: np.ndarray, *, rows: int, window: int, s
     sizes = parts.hi - parts.lo
     m = len(sizes)
     part_of = np.repeat(np.arange(m, dtype=np.int64), sizes)
-    spread = np.minimum(np.minimum(float(window), _RAMP0 + _RAMP * part_of), m - part_of + 1).astype(np.float64)
+    width = np.full(len(part_of), float(window))
+    if narrow > 0:
+        into = np.clip(part_of - (m - narrow), 0, None) / narrow  # 0 before the last ``narrow`` parts, then to 1
+        width -= 0.5 * window * into
+    spread = np.minimum(np.minimum(width, _RAMP0 + _RAMP * part_of), m - part_of + 1)
     keys = part_of + rng.random(len(samples)) * spread
     # The end: a share of the last parts' samples is read last, together, so the epoch's last
     # batches draw from as many parts as the others (the window alone tapers to a few).

@@ -82,7 +82,10 @@ class PlanSpec:
     granule, which changes no sample's position. ``part_bytes``: where > 0, an earlier epoch whose
     part would be mixed so is read as a part mix instead (``datacache._partmix``), in parts of
     about that many bytes, cut along units of ``unit_rows`` samples where > 0 (the writer's
-    samples per dcz block: ``Manifest.extra["unit_rows"]``), so that a part is one ranged read."""
+    samples per dcz block: ``Manifest.extra["unit_rows"]``), so that a part is one ranged read.
+    ``part_narrow``: the epoch's last parts over which that part mix's window narrows to half,
+    where a part holds 64 samples or more (``datacache._partmix``; 0: it does not, as in states
+    saved before it)."""
 
     seed: int = 0
     epoch: int = 0
@@ -101,6 +104,7 @@ class PlanSpec:
     mix_from: int = 1
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     part_bytes: int = 0
+    part_narrow: int = 0
     unit_rows: int = 0
     shard_bytes: np.ndarray | None = field(default=None, compare=False, repr=False)
 
@@ -371,7 +375,7 @@ def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int,
         piece = part_piece(block, offsets, lo, hi, rows=rows,
                            window=PART_WINDOW, seed=spec.seed, epoch=spec.epoch, node=spec.node,
                            node_ranks=node_ranks, per=per, bounds=bounds, batch_size=spec.batch_size,
-                           pad=min(pad, len(block)))
+                           pad=min(pad, len(block)), narrow=spec.part_narrow)
         chunk = part_chunk(spec.batch_size, chunk)
     else:
         source = mix_positions(np.arange(lo, hi), len(block), seed=spec.seed, epoch=spec.epoch, node=spec.node)

@@ -40,17 +40,19 @@ __all__ = ["STATE_VERSION", "NO_MIX", "Link", "ResumeState", "start_state", "ran
            "resume_plan", "resume_spec", "plan_mix"]
 
 STATE_VERSION = 2
-NO_MIX = (0, 1, 0)  # (mix_bytes, mix_from, part_bytes) of a plan without the node mix or the part mix
+NO_MIX = (0, 1, 0, 0)  # (mix_bytes, mix_from, part_bytes, part_narrow) of a plan with neither mix
 
 
-def _check_mix(mix: Any) -> tuple[int, int, int]:
-    """``mix`` as (mix_bytes, mix_from, part_bytes); a state saved before the part mix has only
-    the first two (its epochs were read without it: part_bytes 0)."""
-    if not (isinstance(mix, tuple) and len(mix) in (2, 3) and all(isinstance(v, (int, np.integer)) and v >= 0
-                                                                  for v in mix)):
-        raise ValueError(f"resume state: mix={mix!r}, expected (mix_bytes, mix_from, part_bytes) integers >= 0; "
-                         f"{_HOW}")
-    return (int(mix[0]), int(mix[1]), int(mix[2]) if len(mix) == 3 else 0)
+def _check_mix(mix: Any) -> tuple[int, int, int, int]:
+    """``mix`` as (mix_bytes, mix_from, part_bytes, part_narrow); a state saved before the part mix
+    has only the first two, one saved before its narrowing end the first three (their epochs were
+    read without them: 0), so that it resumes the order it was saved in."""
+    if not (isinstance(mix, tuple) and len(mix) in (2, 3, 4) and all(isinstance(v, (int, np.integer)) and v >= 0
+                                                                     for v in mix)):
+        raise ValueError(f"resume state: mix={mix!r}, expected (mix_bytes, mix_from, part_bytes, part_narrow) "
+                         f"integers >= 0; {_HOW}")
+    full = [int(v) for v in mix] + [0] * (4 - len(mix))
+    return (full[0], full[1], full[2], full[3])
 _HOW = ("pass what StreamingDataset.state_dict() or StatefulDataLoader.state_dict() returned "
         "(see datacache.resume)")
 
@@ -235,15 +237,15 @@ class ResumeState:
 def start_state(*, epoch: int, seed: int, dataset_id: str, dp_size: int, dp_rank: int, num_workers: int,
                 batch_size: int = 1, num_nodes: int = 1, mix: tuple[int, ...] = NO_MIX) -> ResumeState:
     """The state at the start of an epoch (nothing delivered, no chain); ``mix``: the epoch's
-    node-mix and part-mix decision (``PlanSpec.mix_bytes``, ``mix_from``, ``part_bytes``)."""
+    node-mix and part-mix decision (``PlanSpec.mix_bytes``, ``mix_from``, ``part_bytes``, ``part_narrow``)."""
     return ResumeState(epoch=epoch, seed=seed, dataset_id=dataset_id, dp_size=dp_size, dp_rank=dp_rank,
                        num_workers=num_workers, consumed=(0,) * num_workers, batch_size=batch_size,
                        num_nodes=num_nodes, mix=tuple(mix))
 
 
-def plan_mix(spec: PlanSpec) -> tuple[int, int, int]:
+def plan_mix(spec: PlanSpec) -> tuple[int, int, int, int]:
     """A spec's node-mix and part-mix decision, as a state records it."""
-    return (int(spec.mix_bytes), int(spec.mix_from), int(spec.part_bytes))
+    return (int(spec.mix_bytes), int(spec.mix_from), int(spec.part_bytes), int(spec.part_narrow))
 
 
 def resume_spec(spec: PlanSpec, state: ResumeState | None) -> PlanSpec:
@@ -252,7 +254,8 @@ def resume_spec(spec: PlanSpec, state: ResumeState | None) -> PlanSpec:
     node, whose cache may decide otherwise, reads the same order); ``spec`` as is otherwise."""
     if state is None or not state.same_layout(spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes):
         return spec
-    return replace(spec, mix_bytes=state.mix[0], mix_from=state.mix[1], part_bytes=state.mix[2])
+    return replace(spec, mix_bytes=state.mix[0], mix_from=state.mix[1], part_bytes=state.mix[2],
+                   part_narrow=state.mix[3])
 
 
 def _worker_state(snapshot: Mapping[str, Any], key: str) -> ResumeState:
@@ -320,7 +323,7 @@ def _link_spec(spec: PlanSpec, link: Link | ResumeState) -> PlanSpec:
     node taken to have decided as the saving rank's did)."""
     return replace(spec, dp_size=link.dp_size, num_workers=link.num_workers, batch_size=link.batch_size,
                    num_nodes=link.num_nodes, dp_rank=0, worker_id=0, mix_bytes=link.mix[0], mix_from=link.mix[1],
-                   part_bytes=link.mix[2])
+                   part_bytes=link.mix[2], part_narrow=link.mix[3])
 
 
 def resume_plan(counts: np.ndarray, spec: PlanSpec, state: ResumeState | None,
