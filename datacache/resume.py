@@ -41,6 +41,7 @@ __all__ = ["STATE_VERSION", "NO_MIX", "Link", "ResumeState", "start_state", "ran
 
 STATE_VERSION = 2
 NO_MIX = (0, 1, 0, 0)  # (mix_bytes, mix_from, part_bytes, part_narrow) of a plan with neither mix
+_MIX_FIELDS = ("mix_bytes", "mix_from", "part_bytes", "part_narrow")  # the PlanSpec fields of a state's ``mix``
 
 
 def _check_mix(mix: Any) -> tuple[int, int, int, int]:
@@ -245,7 +246,12 @@ def start_state(*, epoch: int, seed: int, dataset_id: str, dp_size: int, dp_rank
 
 def plan_mix(spec: PlanSpec) -> tuple[int, int, int, int]:
     """A spec's node-mix and part-mix decision, as a state records it."""
-    return (int(spec.mix_bytes), int(spec.mix_from), int(spec.part_bytes), int(spec.part_narrow))
+    return _check_mix(tuple(int(getattr(spec, f)) for f in _MIX_FIELDS))
+
+
+def _with_mix(spec: PlanSpec, mix: tuple[int, ...], **other: Any) -> PlanSpec:
+    """``spec`` with the decision ``mix`` (``plan_mix``'s inverse) and the ``other`` fields."""
+    return replace(spec, **dict(zip(_MIX_FIELDS, mix)), **other)
 
 
 def resume_spec(spec: PlanSpec, state: ResumeState | None) -> PlanSpec:
@@ -254,8 +260,7 @@ def resume_spec(spec: PlanSpec, state: ResumeState | None) -> PlanSpec:
     node, whose cache may decide otherwise, reads the same order); ``spec`` as is otherwise."""
     if state is None or not state.same_layout(spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes):
         return spec
-    return replace(spec, mix_bytes=state.mix[0], mix_from=state.mix[1], part_bytes=state.mix[2],
-                   part_narrow=state.mix[3])
+    return _with_mix(spec, state.mix)
 
 
 def _worker_state(snapshot: Mapping[str, Any], key: str) -> ResumeState:
@@ -321,9 +326,8 @@ def common_state(states: Sequence[Any]) -> ResumeState:
 def _link_spec(spec: PlanSpec, link: Link | ResumeState) -> PlanSpec:
     """The spec of the layout that read ``link``, with the node-mix decision it recorded (every old
     node taken to have decided as the saving rank's did)."""
-    return replace(spec, dp_size=link.dp_size, num_workers=link.num_workers, batch_size=link.batch_size,
-                   num_nodes=link.num_nodes, dp_rank=0, worker_id=0, mix_bytes=link.mix[0], mix_from=link.mix[1],
-                   part_bytes=link.mix[2], part_narrow=link.mix[3])
+    return _with_mix(spec, link.mix, dp_size=link.dp_size, num_workers=link.num_workers, batch_size=link.batch_size,
+                     num_nodes=link.num_nodes, dp_rank=0, worker_id=0)
 
 
 def resume_plan(counts: np.ndarray, spec: PlanSpec, state: ResumeState | None,
