@@ -4,12 +4,15 @@ batched mode, every sample exactly once (issue 11, point 1). All checks count ev
 (tests.helpers.resume.check_exactly_once); the state object itself is checked in test_resume_state_*."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 
 from datacache import NodeCache, StreamingDataset, write_dataset
+from datacache._partmix import NARROW_ROWS
+from datacache.plan import build_plan
 from datacache.resume import ResumeState, common_state, rank_state
 from tests.helpers.resume import Stage, check_exactly_once
 
@@ -68,6 +71,32 @@ def test_exactly_once_at_midpoints_of_a_part_mix(dataset_url: str, cache: NodeCa
     cache holds by then."""
     make = factory(dataset_url, cache, batch_size=8)
     assert make()._spec(2, 0).part_bytes > 0  # the epoch is a part mix
+    check_exactly_once(make, [Stage(2, 2, reads), Stage(3, 1)])
+
+
+@pytest.fixture(scope="module")
+def large_parts_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """9,000 samples in 129 shards of about 70, one block each: 129 parts of about 70 samples,
+    enough parts and samples a part for a part mix's window to narrow at the end
+    (``_partmix.NARROW_ROWS``)."""
+    url = f"file://{tmp_path_factory.mktemp('resume-large-parts')}/ds"
+    write_dataset(({"i": i, "x": np.full(4, i, dtype=np.int32)} for i in range(9000)), url,
+                  shard_bytes=3700, progress=False)
+    return url
+
+
+@pytest.mark.parametrize("reads", [3, 40])
+def test_exactly_once_at_midpoints_of_a_narrowing_part_mix(large_parts_url: str, cache: NodeCache,
+                                                           reads: int) -> None:
+    """As above, on parts large enough for the window to narrow over the epoch's end
+    (``PlanSpec.part_narrow``, which the state records): saved by 2 ranks x 2 workers, resumed on
+    3 ranks x 1 worker, every sample once."""
+    make = factory(large_parts_url, cache, batch_size=8)
+    ds = make()
+    spec = ds._spec(2, 0)
+    assert spec.part_narrow > 0 and min(s.samples for s in ds.manifest.shards[:-1]) >= NARROW_ROWS
+    narrowed = build_plan(ds.counts, spec).samples
+    assert not np.array_equal(narrowed, build_plan(ds.counts, replace(spec, part_narrow=0)).samples)
     check_exactly_once(make, [Stage(2, 2, reads), Stage(3, 1)])
 
 
