@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from ._nodemix import DEFAULT_CHUNK_BYTES, MIX_SHARE
-from ._partmix import PART_BYTES, PART_NARROW
+from ._partmix import PART_BYTES, PART_NARROW, PART_STRATA
 from ._nodeorder import digest, readonly
 from ._nodeshare import shared_array
 from .cache import NodeCache
@@ -178,7 +178,8 @@ def mix_fields(node_shuffle: str, shuffle_chunk: int | None, cache: NodeCache, c
         if cached or not parts or node_shuffle == "window":
             return {"mix_bytes": cached, "mix_from": 0, "chunk_bytes": chunk}
         return {"mix_bytes": auto_budget(cache, datasets, ident + (epoch, "parts")), "mix_from": 1,
-                "chunk_bytes": chunk, "part_bytes": PART_BYTES, "part_narrow": PART_NARROW}
+                "chunk_bytes": chunk, "part_bytes": PART_BYTES, "part_narrow": PART_NARROW,
+                "part_strata": PART_STRATA}
     return {"mix_bytes": auto_budget(cache, datasets, ident + (epoch,)), "mix_from": 1, "chunk_bytes": chunk}
 
 

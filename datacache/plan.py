@@ -83,9 +83,11 @@ class PlanSpec:
     part would be mixed so is read as a part mix instead (``datacache._partmix``), in parts of
     about that many bytes, cut along units of ``unit_rows`` samples where > 0 (the writer's
     samples per dcz block: ``Manifest.extra["unit_rows"]``), so that a part is one ranged read.
-    ``part_narrow``: the epoch's last parts over which that part mix's window narrows to half,
-    where a part holds 64 samples or more (``datacache._partmix``; 0: it does not, as in states
-    saved before it)."""
+    ``part_narrow``: the epoch's last parts over which that part mix's window narrows, where a
+    part holds 64 samples or more (``datacache._partmix``; 0: it does not, as in states saved
+    before it). ``part_strata``: where > 0, that part mix reads its parts in rounds over as many
+    spans of the dataset by write position, not in a uniform permutation (0: as in states saved
+    before it)."""
 
     seed: int = 0
     epoch: int = 0
@@ -105,6 +107,7 @@ class PlanSpec:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     part_bytes: int = 0
     part_narrow: int = 0
+    part_strata: int = 0
     unit_rows: int = 0
     shard_bytes: np.ndarray | None = field(default=None, compare=False, repr=False)
 
@@ -375,7 +378,8 @@ def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int,
         piece = part_piece(block, offsets, lo, hi, rows=rows,
                            window=PART_WINDOW, seed=spec.seed, epoch=spec.epoch, node=spec.node,
                            node_ranks=node_ranks, per=per, bounds=bounds, batch_size=spec.batch_size,
-                           pad=min(pad, len(block)), narrow=spec.part_narrow)
+                           pad=min(pad, len(block)), narrow=spec.part_narrow,
+                           strata=spec.part_strata)
         chunk = part_chunk(spec.batch_size, chunk)
     else:
         source = mix_positions(np.arange(lo, hi), len(block), seed=spec.seed, epoch=spec.epoch, node=spec.node)

@@ -40,20 +40,21 @@ __all__ = ["STATE_VERSION", "NO_MIX", "Link", "ResumeState", "start_state", "ran
            "resume_plan", "resume_spec", "plan_mix"]
 
 STATE_VERSION = 2
-NO_MIX = (0, 1, 0, 0)  # (mix_bytes, mix_from, part_bytes, part_narrow) of a plan with neither mix
-_MIX_FIELDS = ("mix_bytes", "mix_from", "part_bytes", "part_narrow")  # the PlanSpec fields of a state's ``mix``
+NO_MIX = (0, 1, 0, 0, 0)  # (mix_bytes, mix_from, part_bytes, part_narrow, part_strata) of a plan with neither mix
+_MIX_FIELDS = ("mix_bytes", "mix_from", "part_bytes", "part_narrow", "part_strata")  # the PlanSpec fields of ``mix``
 
 
-def _check_mix(mix: Any) -> tuple[int, int, int, int]:
-    """``mix`` as (mix_bytes, mix_from, part_bytes, part_narrow); a state saved before the part mix
-    has only the first two, one saved before its narrowing end the first three (their epochs were
-    read without them: 0), so that it resumes the order it was saved in."""
-    if not (isinstance(mix, tuple) and len(mix) in (2, 3, 4) and all(isinstance(v, (int, np.integer)) and v >= 0
-                                                                     for v in mix)):
-        raise ValueError(f"resume state: mix={mix!r}, expected (mix_bytes, mix_from, part_bytes, part_narrow) "
-                         f"integers >= 0; {_HOW}")
-    full = [int(v) for v in mix] + [0] * (4 - len(mix))
-    return (full[0], full[1], full[2], full[3])
+def _check_mix(mix: Any) -> tuple[int, ...]:
+    """``mix`` as (mix_bytes, mix_from, part_bytes, part_narrow, part_strata); a state saved before
+    the part mix has only the first two, one saved before its narrowing end the first three, one
+    saved before its strata the first four (their epochs were read without them: 0), so that it
+    resumes the order it was saved in."""
+    if not (isinstance(mix, tuple) and 2 <= len(mix) <= len(_MIX_FIELDS)
+            and all(isinstance(v, (int, np.integer)) and v >= 0 for v in mix)):
+        raise ValueError(f"resume state: mix={mix!r}, expected ({', '.join(_MIX_FIELDS)}) integers >= 0; {_HOW}")
+    return tuple(int(v) for v in mix) + (0,) * (len(_MIX_FIELDS) - len(mix))
+
+
 _HOW = ("pass what StreamingDataset.state_dict() or StatefulDataLoader.state_dict() returned "
         "(see datacache.resume)")
 
@@ -238,13 +239,13 @@ class ResumeState:
 def start_state(*, epoch: int, seed: int, dataset_id: str, dp_size: int, dp_rank: int, num_workers: int,
                 batch_size: int = 1, num_nodes: int = 1, mix: tuple[int, ...] = NO_MIX) -> ResumeState:
     """The state at the start of an epoch (nothing delivered, no chain); ``mix``: the epoch's
-    node-mix and part-mix decision (``PlanSpec.mix_bytes``, ``mix_from``, ``part_bytes``, ``part_narrow``)."""
+    node-mix and part-mix decision (the ``PlanSpec`` fields of ``_MIX_FIELDS``)."""
     return ResumeState(epoch=epoch, seed=seed, dataset_id=dataset_id, dp_size=dp_size, dp_rank=dp_rank,
                        num_workers=num_workers, consumed=(0,) * num_workers, batch_size=batch_size,
                        num_nodes=num_nodes, mix=tuple(mix))
 
 
-def plan_mix(spec: PlanSpec) -> tuple[int, int, int, int]:
+def plan_mix(spec: PlanSpec) -> tuple[int, ...]:
     """A spec's node-mix and part-mix decision, as a state records it."""
     return _check_mix(tuple(int(getattr(spec, f)) for f in _MIX_FIELDS))
 

@@ -89,14 +89,16 @@ def large_parts_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_exactly_once_at_midpoints_of_a_narrowing_part_mix(large_parts_url: str, cache: NodeCache,
                                                            reads: int) -> None:
     """As above, on parts large enough for the window to narrow over the epoch's end
-    (``PlanSpec.part_narrow``, which the state records): saved by 2 ranks x 2 workers, resumed on
-    3 ranks x 1 worker, every sample once."""
+    (``PlanSpec.part_narrow``) and read in strata (``PlanSpec.part_strata``), both of which the
+    state records: saved by 2 ranks x 2 workers, resumed on 3 ranks x 1 worker, every sample once."""
     make = factory(large_parts_url, cache, batch_size=8)
     ds = make()
     spec = ds._spec(2, 0)
-    assert spec.part_narrow > 0 and min(s.samples for s in ds.manifest.shards[:-1]) >= NARROW_ROWS
-    narrowed = build_plan(ds.counts, spec).samples
-    assert not np.array_equal(narrowed, build_plan(ds.counts, replace(spec, part_narrow=0)).samples)
+    assert spec.part_narrow > 0 and spec.part_strata > 0
+    assert min(s.samples for s in ds.manifest.shards[:-1]) >= NARROW_ROWS
+    planned = build_plan(ds.counts, spec).samples
+    for without in ({"part_narrow": 0}, {"part_strata": 0}):
+        assert not np.array_equal(planned, build_plan(ds.counts, replace(spec, **without)).samples)
     check_exactly_once(make, [Stage(2, 2, reads), Stage(3, 1)])
 
 
