@@ -18,10 +18,10 @@ of the samples of the last 96 parts are read after all the others, in a uniform 
 epoch's last batches draw from 96 parts too (about 430 samples left after the last byte; 0.4 of
 64 left the bench's last 5 % of batches at 0.78 of random, 0.3 of 96 at 0.84, seeds 0-2 at least
 0.83). Where a part holds ``NARROW_ROWS`` samples or more, the window also narrows linearly
-over the last ``narrow`` parts (``PlanSpec.part_narrow``; by half without strata): the taper packs the last parts' samples into the
-epoch's last steps, and a part of 240 samples (4 KB samples in 1 MB) holds 7.5 batches, so a
-consumer barely faster than the link was left about 1.2 s of batches after the last byte. Half
-the window over the last 256 parts cut that to 1.0 s (8 interleaved pairs on the 200,000 x 4 KB
+over the last ``narrow`` parts (``PlanSpec.part_narrow``; by half without strata): the taper
+packs the last parts' samples into the epoch's last steps, and a part of 240 samples (4 KB
+samples in 1 MB) holds 7.5 batches, so a consumer barely faster than the link was left about
+1.2 s of batches after the last byte. Half the window over the last 256 parts cut that to 1.0 s (8 interleaved pairs on the 200,000 x 4 KB
 cold epoch with a 2 ms step, ``docs/bench/shuffle-200k-narrow``), its last 5 % at 0.87 of random
 against 0.89. A part of 15 samples (the bench's 64 KB) holds half a batch: there the plan model
 gained nothing and put the last 5 % at 0.81, so its window stays whole.
@@ -35,11 +35,27 @@ span's parts shuffled). A window of ``strata`` parts then spans the whole datase
 each, and any window's parts lie far apart; on data in no order its batches are as mixed as a
 uniform permutation's. Its last parts lie far apart too, so the end holds back less
 (``_STRATA_END_SHARE`` of the last 96 parts, against 0.3) and narrows deeper (by
-``_STRATA_DEPTH`` of the window over ``PART_NARROW`` = 384 parts). On the class-sorted 200,000 x 4 KB cold epoch with a 2 ms step
-(8 interleaved pairs, ``docs/bench/shuffle-200k-strata``): quality 0.926 of random's against
-0.901, the last 5 % at 0.86 against 0.87, 0.66 s after the last byte against 0.83 s, and the
-epoch 0.18 s shorter (median of the pairs' differences; shorter in all 8). ``PlanSpec.part_strata``
-records it; a state saved before it resumes without.
+``_STRATA_DEPTH`` of the window over ``PART_NARROW`` = 384 parts). On the class-sorted 200,000
+x 4 KB cold epoch with a 2 ms step (8 interleaved pairs, ``docs/bench/shuffle-200k-strata``):
+quality 0.926 of random's against 0.901, the last 5 % at 0.86 against 0.87, 0.66 s after the
+last byte against 0.83 s, and the epoch 0.18 s shorter (median of the pairs' differences;
+shorter in all 8). ``PlanSpec.part_strata`` records it; a state saved before it resumes without.
+
+Node time: the node's consumers read in lockstep, its ranks side by side, and a rank's
+DataLoader takes its workers' batches in turn. So batch ``k`` of worker ``w`` of a rank comes at
+rank step ``k * num_workers + w``, and position ``j`` of that batch at node slot
+``((k * num_workers + w) * batch_size + j) * node_ranks + rank``. The node's sample order is
+dealt to the slots in slot order: each consumer's positions (its contiguous share of whole
+batches, as every plan has) get the samples of their slots, so every consumer's batch draws from
+the node's pool of the moment and every sample is read once.
+
+When: an epoch that is not a node mix but whose node share would be one (it fits ``mix_bytes``,
+so it is cached whole after this epoch), with ``part_bytes > 0`` (the dataset sets it where its
+format can be read part by part: ``readers.base.ShardLayout``), on one node (``plan._mix_block``).
+Node-sticky plans over several nodes keep the window for now: a node's part holds pieces of
+shards another node owns (``_nodeorder``'s transfers), whose partial copies would never complete
+there, and a run of the ``nodes`` test read 1.34 x its predicted bytes in epoch 0. Thread-safe: no state; results
+memoized per process (``_nodeorder.memo``).
 """
 from __future__ import annotations
 
@@ -49,12 +65,13 @@ from ._nodemix import FIRST_CHUNK
 from ._nodeorder import memo, readonly
 from ._pieces import Pieces
 
-__all__ = ["PART_BYTES", "PART_WINDOW", "PART_NARROW", "PART_STRATA", "part_mixes", "part_rows", "part_chunk", "part_piece"]
+__all__ = ["PART_BYTES", "PART_WINDOW", "PART_NARROW", "PART_STRATA", "part_mixes", "part_rows", "part_chunk",
+           "part_piece"]
 
 PART_BYTES = 1 << 20  # a part's bytes: a dcz block's, by default
 PART_WINDOW = 128  # parts of the node's sliding window: a batch draws from about half as many
 PART_NARROW = 384  # the last parts over which the window narrows, where a part holds NARROW_ROWS or more
-PART_STRATA = PART_WINDOW  # spans of the dataset each round of the part stream visits once (0: a uniform permutation)
+PART_STRATA = PART_WINDOW  # spans each round of the part stream visits once (0: a uniform permutation)
 NARROW_ROWS = 64  # samples a part holds at least for the window to narrow at the end
 _END_PARTS, _END_SHARE = 96, 0.3  # the epoch's end: 0.3 of the last 96 parts' samples, read last together
 _STRATA_END_SHARE, _STRATA_DEPTH = 0.2, 0.625  # a stratified stream's end: 0.2 held back; the window narrows by 5/8
@@ -152,7 +169,8 @@ def _node_order(block: Pieces, offsets: np.ndarray, *, rows: int, window: int, s
     module docstring)."""
     parts = _parts(block, rows)
     rng = np.random.default_rng([seed, epoch, 3, node])
-    parts = parts.take(_stratified(parts, offsets, rng, strata) if strata > 0 else rng.permutation(len(parts.shard)))
+    order = _stratified(parts, offsets, rng, strata) if strata > 0 else rng.permutation(len(parts.shard))
+    parts = parts.take(order)
     samples = parts.samples(offsets)
     sizes = parts.hi - parts.lo
     m = len(sizes)
