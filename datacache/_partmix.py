@@ -23,8 +23,9 @@ packs the last parts' samples into the epoch's last steps, and a part of 240 sam
 samples in 1 MB) holds 7.5 batches, so a consumer barely faster than the link was left about
 1.2 s of batches after the last byte. Half the window over the last 256 parts cut that to 1.0 s
 (8 interleaved pairs on the 200,000 x 4 KB cold epoch with a 2 ms step,
-``docs/bench/shuffle-200k-narrow``), its last 5 % at 0.87 of random against 0.89. A part of 15 samples (the bench's 64 KB) holds half a batch: there the plan model
-gained nothing and put the last 5 % at 0.81, so its window stays whole.
+``docs/bench/shuffle-200k-narrow``), its last 5 % at 0.87 of random against 0.89. A part of 15
+samples (the bench's 64 KB) holds half a batch: there the plan model gained nothing and put the
+last 5 % at 0.81, so its window stays whole.
 
 Strata: data is often written in class or source order, and a uniform permutation of the parts
 puts some neighbours (the same class) into one window: 128 parts of the 200,000 x 4 KB dataset
