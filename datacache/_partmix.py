@@ -76,7 +76,7 @@ PART_STRATA = PART_WINDOW  # spans each round of the part stream visits once (0:
 NARROW_ROWS = 64  # samples a part holds at least for the window to narrow at the end
 _END_PARTS, _END_SHARE = 96, 0.3  # the epoch's end: 0.3 of the last 96 parts' samples, read last together
 _STRATA_END_SHARE, _STRATA_DEPTH = 0.2, 0.625  # a stratified stream's end: 0.2 held back; the window narrows by 5/8
-_RAMP0, _RAMP = 2, 8  # the window of the epoch's first parts: part m spreads over 2 + 8 m (the first batch waits for few)
+_RAMP0, _RAMP = 2, 8  # the epoch's first parts: part m spreads over 2 + 8 m (the first batch waits for few)
 
 
 def part_mixes(*, shuffle: bool, part_bytes: int, mix_bytes: int, mix_from: int, epoch: int, composed: bool,
