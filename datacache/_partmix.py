@@ -75,6 +75,7 @@ PART_NARROW = 384  # the last parts over which the window narrows, where a part 
 PART_STRATA = PART_WINDOW  # spans each round of the part stream visits once (0: a uniform permutation)
 NARROW_ROWS = 64  # samples a part holds at least for the window to narrow at the end
 _END_PARTS, _END_SHARE = 96, 0.3  # the epoch's end: 0.3 of the last 96 parts' samples, read last together
+_DEPTH = 0.5  # without strata the window narrows by half over the last ``narrow`` parts
 _STRATA_END_SHARE, _STRATA_DEPTH = 0.2, 0.625  # a stratified stream's end: 0.2 held back; the window narrows by 5/8
 _RAMP0, _RAMP = 2, 8  # the epoch's first parts: part m spreads over 2 + 8 m (the first batch waits for few)
 
@@ -179,7 +180,7 @@ def _node_order(block: Pieces, offsets: np.ndarray, *, rows: int, window: int, s
     width = np.full(len(part_of), float(window))
     if narrow > 0:
         into = np.clip(part_of - (m - narrow), 0, None) / narrow  # 0 before the last ``narrow`` parts, then to 1
-        width -= (_STRATA_DEPTH if strata > 0 else 0.5) * window * into
+        width -= (_STRATA_DEPTH if strata > 0 else _DEPTH) * window * into
     spread = np.minimum(np.minimum(width, _RAMP0 + _RAMP * part_of), m - part_of + 1)
     keys = part_of + rng.random(len(samples)) * spread
     # The end: a share of the last parts' samples is read last, together, so the epoch's last

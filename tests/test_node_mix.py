@@ -25,25 +25,11 @@ from datacache._partmix import part_chunk
 from datacache.plan import PlanSpec, build_plan
 from tests.helpers import faults
 from tests.helpers.plans import SETTINGS
-
-CLASSES = 100
-
-
-def expected_distinct(n: int, b: int) -> float:
-    """Mean distinct classes in a uniform random ``b``-subset of ``n`` class-sorted samples."""
-    sizes = np.bincount(np.arange(n) * CLASSES // n, minlength=CLASSES)
-    # P(class c absent) = C(n - s_c, b) / C(n, b), as a running product
-    absent = np.ones(CLASSES)
-    for k in range(b):
-        absent *= np.clip((n - sizes - k) / (n - k), 0, None)
-    return float(np.sum(1 - absent))
-
+from tools.bench_quality import batch_quality
 
 def quality(batches: list[np.ndarray], n: int) -> float:
     """Mean distinct classes per full batch over a uniform random permutation's."""
-    b = len(batches[0])
-    full = [x for x in batches if len(x) == b]
-    return float(np.mean([len(np.unique(x * CLASSES // n)) for x in full])) / expected_distinct(n, b)
+    return batch_quality([x for x in batches if len(x) == len(batches[0])], n)
 
 
 def plan_batches(n: int, per_shard: int, sample_bytes: int, *, dp: int = 1, workers: int = 2, bs: int = 32,

@@ -16,7 +16,7 @@ from datacache._partmix import NARROW_ROWS, PART_NARROW, PART_STRATA, _stratifie
 from datacache._pieces import Pieces
 from datacache.plan import PlanSpec, build_plan
 from datacache.resume import ResumeState, plan_mix, resume_spec, start_state
-from tools.bench_quality import class_of, expected_distinct
+from tools.bench_quality import batch_quality
 
 WORKERS, BS = 2, 32
 
@@ -28,11 +28,6 @@ def _spec(n: int, per_shard: int, sample_bytes: int, unit_rows: int, narrow: int
     return counts, PlanSpec(seed=3, epoch=0, num_workers=WORKERS, batch_size=BS, mix_bytes=1 << 62, mix_from=1,
                             part_bytes=1 << 20, part_narrow=narrow, part_strata=strata, unit_rows=unit_rows,
                             shard_bytes=counts * sample_bytes)
-
-
-def _quality(batches: list[np.ndarray], n: int) -> float:
-    """Mean distinct classes per batch (all of ``BS``) over a uniform random permutation's."""
-    return float(np.mean([len(np.unique(class_of(b, n))) for b in batches])) / expected_distinct(n, BS)
 
 
 def _worker_batches(counts: np.ndarray, spec: PlanSpec) -> list[list[np.ndarray]]:
@@ -73,7 +68,7 @@ def test_the_strata_raise_the_cold_quality_of_class_sorted_data() -> None:
     got = {}
     for strata in (PART_STRATA, 0):
         batches = _worker_batches(counts, replace(spec, part_strata=strata))
-        got[strata] = _quality([b for worker in batches for b in worker if len(b) == BS], n)
+        got[strata] = batch_quality([b for worker in batches for b in worker if len(b) == BS], n)
     print(f"quality: {got[PART_STRATA]:.3f} with strata, {got[0]:.3f} without")
     assert got[PART_STRATA] >= max(0.9, got[0] + 0.01)
 
@@ -92,7 +87,7 @@ def test_the_window_narrows_at_the_end_where_parts_are_large_and_the_last_batche
     n = int(counts.sum())
     for batches in (narrowed, whole):
         last = [b for worker in batches for b in worker[-len(worker) // 20:] if len(b) == BS]
-        got = _quality(last, n)
+        got = batch_quality(last, n)
         print(f"last 5 %: {got:.3f} of random's classes")
         assert got >= 0.8, f"the last 5 % hold {got:.2f} of random's classes"
 

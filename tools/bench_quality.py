@@ -82,3 +82,11 @@ def pooled(parts: list[tuple[float, float]]) -> float | None:
     """Quality of several consumers' batches together, from their (distinct_sum, expected_sum)."""
     e = sum(p[1] for p in parts)
     return round(sum(p[0] for p in parts) / e, 4) if e else None
+
+
+def batch_quality(batches: list[np.ndarray] | list[list[int]], n: int) -> float:
+    """Quality of ``batches`` (sample ids of the class-sorted ``n`` samples) as the bench reports
+    it (``BatchQuality``'s ``quality``), unrounded: their distinct classes over a uniform random
+    permutation's batches of the same sizes. Tests pass full batches only."""
+    distinct = sum(int(np.unique(class_of(b, n)).size) for b in batches)
+    return distinct / sum(expected_distinct(n, len(b)) for b in batches)
