@@ -32,7 +32,7 @@ from typing import Any
 from .config import CacheConfig
 from .errors import CacheError, IntegrityError
 from .eviction import EvictionPolicy, LRUPolicy
-from .hashing import hash_file
+from .hashing import hash_fd, hash_file
 from .index import Entry, Index
 from .tiers import (NO_SPACE_ERRNOS, KeyLock, Tier, ensure_private_dir, key_id, remove_if_exists,
                     try_pin, unlock_close)
@@ -177,9 +177,10 @@ class NodeCache(CacheAdminMixin):
                 txn.put(key, e)
 
     def _verify(self, key: str, entry: Entry, tier: str, rec: dict[str, str], fd: int) -> bool:
-        """Re-hash an entry file before serving it; drop it if it does not match."""
+        """Re-hash an entry file before serving it, through the pinned ``fd`` (another thread may
+        have dropped the path meanwhile); drop it if it does not match."""
         path = self.tiers[tier].file_path(rec["file"])
-        ok = os.fstat(fd).st_size == entry.size and hash_file(path) == entry.hash
+        ok = os.fstat(fd).st_size == entry.size and hash_fd(fd) == entry.hash
         if ok:
             with self.index.write() as txn:
                 e = txn.get(key)

@@ -11,7 +11,7 @@ from typing import BinaryIO
 
 import xxhash
 
-__all__ = ["ALGORITHM", "hash_bytes", "hash_file", "hash_fileobj", "Hasher"]
+__all__ = ["ALGORITHM", "hash_bytes", "hash_fd", "hash_file", "hash_fileobj", "Hasher"]
 
 ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
@@ -49,3 +49,16 @@ def hash_file(path: str | os.PathLike[str]) -> str:
     """Hash of a local file's whole content."""
     with open(path, "rb", buffering=0) as f:
         return hash_fileobj(f)
+
+
+def hash_fd(fd: int) -> str:
+    """Hash of the whole content of an open file descriptor, read with ``os.pread`` so its offset
+    stays as it is. The file is the one the descriptor holds, even if its path was removed or
+    replaced since it was opened (a cache entry another thread dropped meanwhile)."""
+    h, offset = Hasher(), 0
+    while True:
+        chunk = os.pread(fd, _CHUNK, offset)
+        if not chunk:
+            return h.hexdigest()
+        h.update(chunk)
+        offset += len(chunk)

@@ -233,6 +233,44 @@ def _flip_a_byte(cache: NodeCache, key: str) -> str:
     return path
 
 
+@pytest.mark.timeout(120)
+def test_threads_verifying_one_corrupt_entry_all_get_good_bytes(tmp_path: Path) -> None:
+    """``verify="always"``: 8 threads get one entry whose file was corrupted on disk, all at once
+    (a barrier), over 20 rounds. One of them drops the file and refetches; the others had pinned
+    the same file before it was dropped, hash the file they hold (not its path, which may be gone
+    by then) and refetch too. Every get returns the right bytes and no thread raises; hashing by
+    path once raised FileNotFoundError here (a CI run of ``test_faults``)."""
+    from datacache.hashing import hash_bytes
+
+    data = os.urandom(1 << 20)
+    cache = NodeCache(H.cache_config(tmp_path, ram="16MB", verify="always"))
+    threads, barrier, errors, good = 8, threading.Barrier(8), [], []
+
+    def get(round_: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            with cache.get(f"k{round_}", lambda p: Path(p).write_bytes(data), size=len(data),
+                           hash=hash_bytes(data)) as h:
+                good.append(h.read() == data)
+        except Exception:  # noqa: BLE001 - reported below with its traceback
+            errors.append(traceback.format_exc())
+
+    try:
+        for round_ in range(20):
+            with cache.get(f"k{round_}", lambda p: Path(p).write_bytes(data), size=len(data)) as h:
+                assert h.read() == data
+            _flip_a_byte(cache, f"k{round_}")
+            workers = [threading.Thread(target=get, args=(round_,), name=f"verify-{i}") for i in range(threads)]
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join(timeout=60)
+            assert not errors, errors[0]
+        assert good == [True] * (20 * threads)
+    finally:
+        cache.close()
+
+
 @pytest.mark.timeout(60)
 def test_corrupt_cache_file_is_refetched_with_verify_always(tmp_path: Path,
                                                            caplog: pytest.LogCaptureFixture) -> None:
