@@ -23,7 +23,7 @@ packs the last parts' samples into the epoch's last steps, and a part of 240 sam
 samples in 1 MB) holds 7.5 batches, so a consumer barely faster than the link was left about
 1.2 s of batches after the last byte. Half the window over the last 256 parts cut that to 1.0 s
 (8 interleaved pairs on the 200,000 x 4 KB cold epoch with a 2 ms step,
-``docs/bench/shuffle-200k-narrow``), its last 5 % at 0.87 of random against 0.89. A part of 15
+see CHANGELOG.md), its last 5 % at 0.87 of random against 0.89. A part of 15
 samples (the bench's 64 KB) holds half a batch: there the plan model gained nothing and put the
 last 5 % at 0.81, so its window stays whole.
 
@@ -37,7 +37,7 @@ each, and any window's parts lie far apart; on data in no order its batches are 
 uniform permutation's. Its last parts lie far apart too, so the end holds back less
 (``_STRATA_END_SHARE`` of the last 96 parts, against 0.3) and narrows deeper (by
 ``_STRATA_DEPTH`` of the window over ``PART_NARROW`` = 384 parts). On the class-sorted 200,000
-x 4 KB cold epoch with a 2 ms step (8 interleaved pairs, ``docs/bench/shuffle-200k-strata``):
+x 4 KB cold epoch with a 2 ms step (8 interleaved pairs, see CHANGELOG.md):
 quality 0.926 of random's against 0.901, the last 5 % at 0.86 against 0.87, 0.66 s after the
 last byte against 0.83 s, and the epoch 0.18 s shorter (median of the pairs' differences;
 shorter in all 8). ``PlanSpec.part_strata`` records it; a state saved before it resumes without.

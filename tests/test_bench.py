@@ -154,7 +154,7 @@ def test_report_shows_failed_runs_as_failed_with_n_per_cell_never_as_a_win() -> 
 
 
 def test_readme_block_is_replaced_between_its_markers(tmp_path: Path) -> None:
-    from tools.bench_text import BEGIN, END, replace_block
+    from tools.bench_text import BEGIN, END, HEADLINE_BEGIN, HEADLINE_END, replace_block, replace_blocks
 
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{BEGIN}\nold table 1.23\n{END}\noutro\n")
@@ -163,17 +163,49 @@ def test_readme_block_is_replaced_between_its_markers(tmp_path: Path) -> None:
     (tmp_path / "bare.md").write_text("no markers\n")
     with pytest.raises(SystemExit, match="no generated benchmark block"):
         replace_block(str(tmp_path / "bare.md"), "x")
+    # both pairs in one file, each replaced by its own block; the headline's markers are not the full block's
+    readme.write_text(f"a\n{HEADLINE_BEGIN}\nold 1\n{HEADLINE_END}\nb\n{BEGIN}\nold 2\n{END}\nc\n")
+    done = replace_blocks(str(readme), {(BEGIN, END): f"{BEGIN}\nfull\n{END}",
+                                        (HEADLINE_BEGIN, HEADLINE_END): f"{HEADLINE_BEGIN}\nhead\n{HEADLINE_END}"})
+    assert done == [BEGIN, HEADLINE_BEGIN]
+    assert readme.read_text() == f"a\n{HEADLINE_BEGIN}\nhead\n{HEADLINE_END}\nb\n{BEGIN}\nfull\n{END}\nc\n"
+
+
+def test_headline_rows_put_datacache_beside_the_peers_from_the_same_records() -> None:
+    """The README's headline table: one row a scenario that ran, datacache beside Streaming and
+    LitData through their default settings; a peer whose default failed shows its +tuned figure
+    and says so, a peer that failed altogether shows why, never a figure."""
+    from tools import bench_report
+    from tools.bench_text import HEADLINE_BEGIN, HEADLINE_END, headline_block
+
+    records = [_rec("datacache", 0, wall=12.0), _rec("datacache", 1, wall=11.0),
+               _rec("streaming", 0, wall=30.0, aborted="stopped after 3 batches: 9 MB pulled (thrashing)"),
+               _rec("streaming+tuned", 0, wall=20.0),
+               _rec("litdata", 0, wall=30.0, aborted="stopped after 3 batches: no batch for 90 s (stalled)")]
+    rows = bench_report.headline_rows(records)
+    assert rows == [("cold epoch: wall (× link bound)", "11.5 s (1.15 ×)",
+                     "20.0 s (2.00 ×), +tuned (default thrashed)", "aborted (stalled)")]
+    run = {"date": "2026-12-01", "machine": "vm", "versions": {"mosaicml-streaming": "0.13.0", "litdata": "0.2.76"},
+           "settings": {"reps": 2, "size": 1000, "sample_bytes": 100, "bandwidth": 100.0, "batch_size": 32,
+                        "workers": 2, "compute": 0.02}}
+    block = headline_block(run, rows)
+    assert block.startswith(HEADLINE_BEGIN) and block.endswith(HEADLINE_END)
+    assert "| | datacache | Streaming 0.13.0 | LitData 0.2.76 |" in block and "| 11.5 s (1.15 ×) |" in block
 
 
 @pytest.mark.timeout(300)
 def test_bench_shuffle_scenario_and_readme_regeneration_tiny(tmp_path: Path) -> None:
     """The shuffle scenario (cold, then warm) with datacache's matched-quality variants, every
     record with its quality beside wall and first batch, the same loader settings for every
-    variant, and ``--readme``: the raw results published to docs/bench beside the README and its
-    generated block rebuilt; ``bench_report.py docs/bench --readme`` rebuilds the same block."""
-    from tools.bench_text import BEGIN, END
+    variant, and ``--readme``: the raw results published to docs/bench beside the README, its
+    headline table and docs/benchmarks.md's block rebuilt; ``bench_report.py docs/bench --readme
+    README.md docs/benchmarks.md`` rebuilds the same two."""
+    from tools.bench_text import BEGIN, END, HEADLINE_BEGIN, HEADLINE_END
 
-    (tmp_path / "README.md").write_text(f"# x\n{BEGIN}\n{END}\n")
+    readme, page = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md"
+    page.parent.mkdir()
+    readme.write_text(f"# x\n{HEADLINE_BEGIN}\n{HEADLINE_END}\n")
+    page.write_text(f"# y\n{BEGIN}\n{END}\n")
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--systems", "datacache",
            "--scenario", "shuffle,raw", "--variants", "default,matched", "--size", "4MB", "--shard-bytes", "256KB",
@@ -199,14 +231,18 @@ def test_bench_shuffle_scenario_and_readme_regeneration_tiny(tmp_path: Path) -> 
     assert run["settings"]["batch_size"] == 32 and run["commit"]
     report = (published / "results.md").read_text()
     assert "## shuffle" in report and "| datacache+match-litdata |" in report and "raw: no compute" in report
-    block = (tmp_path / "README.md").read_text()
-    assert block.startswith(f"# x\n{BEGIN}") and block.rstrip().endswith(END)
+    block, head = page.read_text(), readme.read_text()
+    assert block.startswith(f"# y\n{BEGIN}") and block.rstrip().endswith(END)
     assert "| raw | datacache | 1 |" in block and "Shuffle quality, cold and warm" in block
-    (tmp_path / "README.md").write_text(f"# x\n{BEGIN}\n{END}\n")
+    assert "[bench/results.jsonl](bench/results.jsonl)" in block  # relative to docs/benchmarks.md
+    assert head.startswith(f"# x\n{HEADLINE_BEGIN}") and head.rstrip().endswith(HEADLINE_END)
+    assert "| shuffle quality, cold / warm epoch | " in head and "| raw |" not in head
+    readme.write_text(f"# x\n{HEADLINE_BEGIN}\n{HEADLINE_END}\n")
+    page.write_text(f"# y\n{BEGIN}\n{END}\n")
     regen = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_report.py"), str(published), "--readme",
-                            str(tmp_path / "README.md")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                            str(readme), str(page)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert regen.returncode == 0, regen.stderr[-3000:]
-    assert (tmp_path / "README.md").read_text() == block
+    assert page.read_text() == block and readme.read_text() == head
 
 
 @pytest.mark.timeout(960)  # a hang guard for a run of ~1 min on an idle machine

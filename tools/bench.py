@@ -66,8 +66,9 @@ the sliding window rather than the default's part mix. The mix scenario runs the
 A failed or aborted repetition stays in ``results.jsonl`` with its cause; the tables print n
 (repetitions completed of run) per cell and show a system none of whose repetitions completed as
 failed, never as beaten. ``--readme README.md`` publishes the run: ``results.jsonl``, ``run.json``,
-``results.md`` and the charts are copied to ``docs/bench`` and the README's generated block is
-rebuilt from them (``python tools/bench_report.py docs/bench --readme README.md`` does the last
+``results.md`` and the charts are copied to ``docs/bench`` beside the README, and the README's
+headline table and ``docs/benchmarks.md``'s full block are rebuilt from them
+(``python tools/bench_report.py docs/bench --readme README.md docs/benchmarks.md`` does the last
 step alone, from the committed files).
 
 Bounds, measured in the same run: link = needed bytes / bandwidth; compute = batches x step time;
@@ -149,7 +150,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=600.0, help="seconds before one run is killed")
     p.add_argument("--readme", metavar="README.md",
                    help="publish: copy results.jsonl, run.json, results.md and the charts to docs/bench beside "
-                        "this README and regenerate its benchmark block (tools/bench_report.py --readme)")
+                        "this README and regenerate its headline table and docs/benchmarks.md's benchmark block "
+                        "(tools/bench_report.py --readme)")
     a = p.parse_args(argv)
     q = a.quick
     a.reps = a.reps or (1 if q else 3)
@@ -407,13 +409,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def publish(out: str, readme: str) -> None:
-    """Copy the raw results and the report next to the README (docs/bench) and regenerate its block."""
-    dest = os.path.join(os.path.dirname(os.path.abspath(readme)), "docs", "bench")
+    """Copy the raw results and the report next to the README (docs/bench) and regenerate the
+    generated blocks of the README and of docs/benchmarks.md beside it (where that file exists)."""
+    docs = os.path.join(os.path.dirname(os.path.abspath(readme)), "docs")
+    dest = os.path.join(docs, "bench")
     os.makedirs(dest, exist_ok=True)
     for name in sorted(os.listdir(out)):
         if name in ("results.jsonl", "run.json", "results.md") or (name.startswith("bench_") and name.endswith(".png")):
             shutil.copyfile(os.path.join(out, name), os.path.join(dest, name))
-    bench_report.main([dest, "--readme", readme])
+    pages = [readme] + [p for p in [os.path.join(docs, "benchmarks.md")] if os.path.exists(p)]
+    bench_report.main([dest, "--readme", *pages])
 
 
 if __name__ == "__main__":

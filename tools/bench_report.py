@@ -1,12 +1,15 @@
 """The report of ``tools/bench.py``: medians, bounds, datacache's targets, the markdown tables, charts.
 
-    python tools/bench_report.py DIR [--readme README.md]
+    python tools/bench_report.py DIR [--readme FILE.md ...]
 
 regenerates ``DIR/results.md`` and the charts from ``DIR/results.jsonl`` (every repetition, as
 the run wrote it) and ``DIR/run.json`` (its command, settings, machine, commit), and with
-``--readme`` replaces the README's generated block (between ``BEGIN`` and ``END`` below):
-``python tools/bench_report.py docs/bench --readme README.md`` rebuilds the published tables from
-the committed raw file.
+``--readme`` replaces the generated blocks of each Markdown file given: the full block (between
+``bench_text.BEGIN`` and ``END``) and the headline table (between ``bench_text.HEADLINE_BEGIN``
+and ``HEADLINE_END``), whichever the file holds.
+``python tools/bench_report.py docs/bench --readme README.md docs/benchmarks.md`` rebuilds the
+published tables (the headline in the README, the full block in docs/benchmarks.md) from the
+committed raw file.
 
 Per (scenario, system, rep) the measured epochs are summed (wall, wait, samples, batches); medians
 are taken over the repetitions that completed, and every cell prints n (completed of run); a
@@ -33,7 +36,8 @@ if ROOT not in sys.path:
 
 from tools import bench_mix, bench_nodes  # noqa: E402
 from tools.bench_plots import charts, order_key, summarize_profile  # noqa: E402,F401 - bench.py uses it
-from tools.bench_text import NOTES, head_lines, machine_line, readme_block, replace_block  # noqa: E402,F401
+from tools.bench_text import (BEGIN, END, HEADLINE_BEGIN, HEADLINE_END, NOTES, head_lines,  # noqa: E402,F401
+                              headline_block, machine_line, readme_block, replace_blocks)
 
 PEERS = ("streaming", "litdata")
 
@@ -320,8 +324,9 @@ def write_report(out: str, records: list[dict[str, Any]], *, run: dict[str, Any]
     return text
 
 
-def readme_tables(records: list[dict[str, Any]], run: dict[str, Any]) -> str:
-    """The README's generated block: the run's description, the tables, datacache's targets."""
+def readme_tables(records: list[dict[str, Any]], run: dict[str, Any], bench_dir: str = "docs/bench") -> str:
+    """The full generated block: the run's description, the tables, datacache's targets;
+    ``bench_dir``: the published results' folder relative to the file the block goes in."""
     meds = medians(records)
     scenarios = list(dict.fromkeys(r["scenario"] for r in records if "scenario" in r))
     verdicts = {sc: targets(sc, meds[(sc, "datacache")], {s: meds[(sc, s)] for s in systems_in(meds, sc)
@@ -330,7 +335,78 @@ def readme_tables(records: list[dict[str, Any]], run: dict[str, Any]) -> str:
     shuffle = shuffle_table(records, curves=False) if "shuffle" in scenarios else ""
     main = [sc for sc in scenarios if sc not in OWN_TABLE]
     return readme_block(run, scenarios, table(meds, main) if main else "", shuffle, verdicts,
-                        mix_table(records) if "mix" in scenarios else "", bench_nodes.report(records))
+                        mix_table(records) if "mix" in scenarios else "", bench_nodes.report(records), bench_dir)
+
+
+def _why(m: dict[str, Any]) -> str:
+    """A failed median's cause in a word or two."""
+    text = m.get("failed", "")
+    for word, said in (("thrashing", "thrashed"), ("stalled", "stalled")):
+        if f"({word})" in text:
+            return f"aborted ({said})"
+    return "not run" if m.get("unavailable") else "failed"
+
+
+def _pick(meds: dict[tuple[str, str], dict[str, Any]], sc: str, system: str) -> tuple[dict[str, Any] | None, str]:
+    """A system's figures in a scenario: its default variant, else its ``+tuned`` one (and why);
+    (None, why) when neither completed."""
+    m = meds.get((sc, system))
+    if m is None:
+        return None, "not run"
+    if "failed" not in m:
+        return m, ""
+    tuned = meds.get((sc, f"{system}+tuned"))
+    if tuned is not None and "failed" not in tuned:
+        return tuned, f"+tuned (default {_why(m).replace('aborted (', '').rstrip(')')})"
+    return None, _why(m)
+
+
+def _later_remote(m: dict[str, Any]) -> str:
+    """Remote bytes per epoch after the first (their mean), against the bound D - C."""
+    later = statistics.mean(m["remote"][1:] or m["remote"])
+    return f"{later / 1e6:.0f} MB ({later / max(m['D'] - (m['C'] or 0), 1):.2f} ×)"
+
+
+HEADLINE = (  # (scenario, what the row shows, the cell from one system's medians)
+    ("cold", "cold epoch: wall (× link bound)", lambda m: f"{m['wall']:.1f} s ({m['wall'] / m['link']:.2f} ×)"),
+    ("warm", "warm epoch: wall (× compute)", lambda m: f"{m['wall']:.2f} s ({m['wall'] / m['compute']:.2f} ×)"),
+    ("limited", "cache of D/2: MB per later epoch (× D − C)", _later_remote),
+    ("small", "1 KiB samples from the cache: samples/s", lambda m: f"{m['samples_s']:,.0f}"),
+)
+
+
+def headline_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """The README's headline figures (each scenario that ran): datacache, Streaming, LitData,
+    each through its default settings (a peer whose default failed through its ``+tuned``
+    variant, said so), and the shuffle quality of the cold and the warm epoch."""
+    meds = medians(records)
+    rows = []
+    for sc, what, cell in HEADLINE:
+        if (sc, "datacache") not in meds:
+            continue
+        cells = []
+        for system in ("datacache",) + PEERS:
+            m, why = _pick(meds, sc, system)
+            cells.append(why if m is None else cell(m) + (f", {why}" if why else ""))
+        rows.append((what, *cells))
+    runs = {s: reps for (sc, s), reps in runs_of(records).items() if sc == "shuffle"}
+    if "datacache" in runs:
+        cells = []
+        for system in ("datacache",) + PEERS:
+            ok = [f for f in (shuffle_figures(recs) for recs in runs.get(system, [])) if "failed" not in f]
+            cells.append(f"{statistics.median(f['cold_quality'] for f in ok):.2f} / "
+                         f"{statistics.median(f['warm_quality'] for f in ok):.2f}" if ok else
+                         ("not run" if system not in runs else "failed"))
+        rows.append(("shuffle quality, cold / warm epoch", *cells))
+    return rows
+
+
+def regenerate(path: str, records: list[dict[str, Any]], run: dict[str, Any], bench_dir: str) -> list[str]:
+    """Replace the generated blocks that the Markdown file ``path`` holds (the full block, the
+    headline table, or both) from the records; returns the begin markers replaced."""
+    rel = os.path.relpath(os.path.abspath(bench_dir), os.path.dirname(os.path.abspath(path))).replace(os.sep, "/")
+    return replace_blocks(path, {(BEGIN, END): readme_tables(records, run, rel),
+                                 (HEADLINE_BEGIN, HEADLINE_END): headline_block(run, headline_rows(records))})
 
 
 def progress_line(recs: list[dict[str, Any]]) -> str:
@@ -362,18 +438,21 @@ def load(dirpath: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", help="a bench output directory (results.jsonl, run.json), e.g. docs/bench")
-    p.add_argument("--readme", help="also replace the generated block of this README")
+    p.add_argument("--readme", nargs="+", metavar="FILE.md", default=[],
+                   help="also replace the generated blocks of these Markdown files (the full block and/or the "
+                        "headline table, whichever each holds), e.g. README.md docs/benchmarks.md")
     a = p.parse_args(argv)
     records, run = load(a.dir)
     print(write_report(a.dir, records, run=run))
-    if a.readme:
-        replace_block(a.readme, readme_tables(records, run))
-        print(f"{a.readme}: benchmark block regenerated from {os.path.join(a.dir, 'results.jsonl')}")
+    for path in a.readme:
+        done = regenerate(path, records, run, a.dir)
+        what = " and ".join("headline table" if b == HEADLINE_BEGIN else "benchmark block" for b in done)
+        print(f"{path}: {what} regenerated from {os.path.join(a.dir, 'results.jsonl')}")
     return 0
 
 
-__all__ = ["NOTES", "machine_line", "medians", "progress_line", "readme_tables", "summarize_profile", "summarize_run", "table",
-           "targets", "write_report"]
+__all__ = ["NOTES", "headline_rows", "machine_line", "medians", "progress_line", "readme_tables", "regenerate",
+           "summarize_profile", "summarize_run", "table", "targets", "write_report"]
 
 if __name__ == "__main__":
     sys.exit(main())
