@@ -54,6 +54,8 @@ def _env_endpoint() -> tuple[str | None, str]:
 def endpoint_of(protocol: str, storage_options: dict | None) -> str:
     """The endpoint a store of ``protocol`` talks to and where that came from, for messages:
     ``"http://host:9000 (from AWS_ENDPOINT_URL)"``, ``"... (from storage_options)"``, or the default."""
+    if protocol in ("http", "https"):
+        return "the URL's host"
     if protocol not in S3:
         return f"the {protocol!r} filesystem's endpoint"
     opts = storage_options or {}

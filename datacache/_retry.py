@@ -226,11 +226,16 @@ def unreachable_cause(exc: BaseException) -> str | None:
     return None
 
 
+def _no_credentials(exc: BaseException) -> bool:
+    return any(type(e).__name__ in _CREDENTIAL_NAMES for e in _chain(exc))
+
+
 def answered(exc: BaseException) -> bool:
     """True when a failed call still had an answer from the store (an HTTP status, a missing
     object, a refused access) or failed on our side after one (a datacache error)."""
-    return isinstance(exc, DatacacheError) or any(_response_of(e) is not None for e in _chain(exc)) \
-        or classify(exc) in ("not_found", "permission")
+    if isinstance(exc, DatacacheError) or any(_response_of(e) is not None for e in _chain(exc)):
+        return True
+    return classify(exc) in ("not_found", "permission") and not _no_credentials(exc)
 
 
 def plain_cause(exc: BaseException, redact: Callable[[str], str] = lambda s: s) -> str:
@@ -276,8 +281,7 @@ def translate(exc: BaseException, kind: Kind, *, url: str, op: str,
         what = "the bucket does not exist" if code == "NoSuchBucket" else "no such object or prefix"
         return NotFoundError(f"{op}: {what} ({cause})", url=url, hint=NOT_FOUND_HINT)
     if kind == "permission":
-        what = "no credentials found" if any(type(e).__name__ in _CREDENTIAL_NAMES for e in _chain(exc)) \
-            else "access denied"
+        what = "no credentials found" if _no_credentials(exc) else "access denied"
         return PermissionDeniedError(f"{op}: {what} ({cause})", url=url, hint=PERMISSION_HINT)
     tries = f"{attempts} attempt{'s' if attempts != 1 else ''} over {elapsed:.1f}s"
     if kind == "throttled":

@@ -122,7 +122,8 @@ def open_store(url: str, storage_options: dict | None = None, *, transfer: Trans
 
 
 class Store:
-    """A dataset prefix on an object store or file system. Thread-safe and fork-safe (see module)."""
+    """A dataset prefix on an object store or file system. Thread-safe and fork-safe (see module).
+    ``endpoint``: the endpoint it talks to and where that setting came from (for messages)."""
 
     def __init__(self, url: str, storage_options: dict | None = None, *,
                  transfer: TransferConfig | None = None, retry: RetryConfig | None = None) -> None:
