@@ -21,7 +21,8 @@ from ._version import __version__
 from .cache import CacheHandle, NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
 from .errors import (CacheError, DatacacheError, DatasetExistsError, IntegrityError, ManifestError, NotFoundError,
-                     PermissionDeniedError, ReaderError, StorageError, ThrottledError, TransientStorageError)
+                     PermissionDeniedError, ReaderError, StorageError, ThrottledError, TransientStorageError,
+                     UnreachableError)
 from .eviction import ClairvoyantPolicy, LRUPolicy, Schedule
 from .manifest import Manifest, ShardInfo, load_manifest
 from .storage import Store, open_store
@@ -58,6 +59,6 @@ __all__ = [
     "StreamingDataset", "DataLoader", "CachedDataset", "Stream",
     "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size",
     "DatacacheError", "StorageError", "TransientStorageError", "ThrottledError", "NotFoundError",
-    "PermissionDeniedError",
+    "PermissionDeniedError", "UnreachableError",
     "ManifestError", "IntegrityError", "ReaderError", "CacheError", "DatasetExistsError",
 ]

@@ -86,6 +86,8 @@ def _src_type(src: str, explicit: str) -> str:
         return "dataset" if os.path.isfile(os.path.join(src, MANIFEST_NAME)) else "folder"
     if not os.path.exists(src):
         raise DatacacheError("no such file or directory", url=src)
+    if os.path.basename(src) == MANIFEST_NAME:  # a dataset named by its manifest
+        return "dataset"
     if low.endswith((".parquet", ".pq")):
         return "parquet"
     if low.endswith((".jsonl", ".ndjson", ".json")):

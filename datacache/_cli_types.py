@@ -8,8 +8,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .config import parse_size
+from .storage import check_url
 
-__all__ = ["size", "nonneg_int", "pos_int", "fraction"]
+__all__ = ["size", "nonneg_int", "pos_int", "fraction", "url"]
 
 _N = TypeVar("_N", int, float)
 
@@ -47,3 +48,11 @@ def pos_int(text: str) -> int:
 def fraction(text: str) -> float:
     """A number in (0, 1]."""
     return _number(text, float, "a number in (0, 1]", lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+def url(text: str) -> str:
+    """A URL or local path datacache can open (``datacache.storage.check_url``: not ``s3:/bucket``)."""
+    try:
+        return check_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from .config import TransferConfig
 
-__all__ = ["S3", "abandon_inherited", "fs_options", "replace_local", "read_parts", "shared_loader"]
+__all__ = ["S3", "abandon_inherited", "endpoint_of", "fs_options", "replace_local", "read_parts", "shared_loader"]
 
 S3 = {"s3", "s3a"}
 _NO_LISTING_CACHE = S3 | {"gs", "gcs", "abfs", "az", "http", "https"}
@@ -44,6 +44,28 @@ def shared_loader() -> Any:
     return _loader[0]
 
 
+def _env_endpoint() -> tuple[str | None, str]:
+    for var in ("AWS_ENDPOINT_URLS3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(var):
+            return os.environ[var], var
+    return None, ""
+
+
+def endpoint_of(protocol: str, storage_options: dict | None) -> str:
+    """The endpoint a store of ``protocol`` talks to and where that came from, for messages:
+    ``"http://host:9000 (from AWS_ENDPOINT_URL)"``, ``"... (from storage_options)"``, or the default."""
+    if protocol in ("http", "https"):
+        return "the URL's host"
+    if protocol not in S3:
+        return f"the {protocol!r} filesystem's endpoint"
+    opts = storage_options or {}
+    given = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+    if given:
+        return f"{given} (from storage_options)"
+    env, var = _env_endpoint()
+    return f"{env} (from {var})" if env else "the default AWS S3 endpoint"
+
+
 def fs_options(protocol: str, storage_options: dict | None, transfer: TransferConfig,
                 pool_size: int) -> dict[str, Any]:
     opts = dict(storage_options or {})
@@ -54,7 +76,7 @@ def fs_options(protocol: str, storage_options: dict | None, transfer: TransferCo
         opts.setdefault("auto_mkdir", True)
     if protocol in S3:
         client_kwargs = dict(opts.get("client_kwargs") or {})
-        env = os.environ.get("AWS_ENDPOINT_URLS3") or os.environ.get("AWS_ENDPOINT_URL")
+        env = _env_endpoint()[0]
         if env and "endpoint_url" not in client_kwargs and not opts.get("endpoint_url"):
             client_kwargs["endpoint_url"] = env
         opts["client_kwargs"] = client_kwargs

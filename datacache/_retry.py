@@ -19,14 +19,18 @@ MRO, then the builtin ``OSError`` family::
 Transient errors are retried with exponential backoff and full jitter
 (``sleep = uniform(0, min(max_delay, base_delay * 2**(attempt-1)))``); throttling errors are
 retried without an own sleep: the node-wide congestion gate spaces the next attempt. Both are
-bounded by ``RetryConfig.deadline`` (and ``RetryConfig.attempts`` when it is set). Everything
-here is stateless or guarded by the caller and therefore thread-safe.
+bounded by ``RetryConfig.deadline`` (and ``RetryConfig.attempts`` when it is set), except that a
+store that has never answered (``retry_call(unanswered=...)``) and refuses the connection or whose
+name does not resolve is given up on after ``RetryConfig.connect_deadline``: ``UnreachableError``
+names the endpoint and the cause. Everything here is stateless or guarded by the caller and
+therefore thread-safe.
 """
 from __future__ import annotations
 
 import logging
 import random
 import re
+import socket
 import threading
 import time
 from typing import Any, Callable, Iterator, Literal, TypeVar
@@ -39,10 +43,11 @@ from .errors import (
     StorageError,
     ThrottledError,
     TransientStorageError,
+    UnreachableError,
 )
 
 __all__ = ["Kind", "ShortReadError", "NodeBackoff", "RETRYABLE", "classify", "backoff_delay", "retry_call",
-           "translate", "check_name", "secret_values"]
+           "translate", "check_name", "secret_values", "answered", "plain_cause", "unreachable_cause"]
 
 log = logging.getLogger("datacache.storage")
 _SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature")
@@ -59,6 +64,11 @@ PERMISSION_HINT = (
 PERMANENT_HINT = "This error is not retried; check the URL, the object name and storage_options"
 TRANSIENT_HINT = (
     "The store is unavailable or the network is failing; retry later or raise RetryConfig.deadline"
+)
+UNREACHABLE_HINT = (
+    "Check the endpoint (a typo? AWS_ENDPOINT_URL or storage_options client_kwargs.endpoint_url) and "
+    "that the store is running; RetryConfig.connect_deadline sets how long a store that never answered "
+    "is waited for"
 )
 THROTTLED_HINT = (
     "The store is throttling this prefix (it asks for fewer requests per second): set "
@@ -97,6 +107,7 @@ _TRANSIENT_NAMES = {
     "ProtocolError", "IncompleteRead", "RemoteDisconnected", "FSTimeoutError",
     "ShortReadError",
 }
+_CREDENTIAL_NAMES = {"NoCredentialsError", "PartialCredentialsError"}  # botocore: nothing was sent
 
 
 def _secret_set(obj: Any, under_secret: bool = False) -> set[str]:
@@ -173,6 +184,8 @@ def _classify_one(exc: BaseException) -> Kind | None:
     if isinstance(exc, NodeBackoff):
         return "throttled"
     names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & _CREDENTIAL_NAMES:
+        return "permission"
     if names & _TRANSIENT_NAMES:
         return "transient"
     if isinstance(exc, FileNotFoundError):
@@ -202,6 +215,49 @@ def error_code(exc: BaseException) -> str | None:
     return None
 
 
+def unreachable_cause(exc: BaseException) -> str | None:
+    """``"name not resolved"`` or ``"connection refused"`` when the chain of ``exc`` says the
+    endpoint could not be reached at all (no store ever answered), else None."""
+    for e in _chain(exc):
+        if isinstance(e, socket.gaierror) or type(e).__name__ == "ClientConnectorDNSError":
+            return "name not resolved"
+        if isinstance(e, ConnectionRefusedError):
+            return "connection refused"
+    return None
+
+
+def _no_credentials(exc: BaseException) -> bool:
+    return any(type(e).__name__ in _CREDENTIAL_NAMES for e in _chain(exc))
+
+
+def answered(exc: BaseException) -> bool:
+    """True when a failed call still had an answer from the store (an HTTP status, a missing
+    object, a refused access) or failed on our side after one (a datacache error)."""
+    if isinstance(exc, DatacacheError) or any(_response_of(e) is not None for e in _chain(exc)):
+        return True
+    return classify(exc) in ("not_found", "permission") and not _no_credentials(exc)
+
+
+def plain_cause(exc: BaseException, redact: Callable[[str], str] = lambda s: s) -> str:
+    """The cause of a failed request in a few plain words, for warnings: ``"connection refused"``,
+    ``"name not resolved"``, ``"HTTP 503 SlowDown"``, ``"connection reset"``, ``"timed out"``, or
+    ``describe(exc)``."""
+    reason = unreachable_cause(exc)
+    if reason is not None:
+        return reason
+    for e in _chain(exc):
+        resp = _response_of(e)
+        if resp is not None:
+            return f"HTTP {resp[1]} {resp[0]}".strip() if resp[1] else resp[0]
+        names = {cls.__name__ for cls in type(e).__mro__}
+        if isinstance(e, ConnectionResetError) or names & {"ServerDisconnectedError", "ConnectionClosedError",
+                                                           "RemoteDisconnected"}:
+            return "connection reset"
+        if isinstance(e, TimeoutError) or any("Timeout" in n for n in names):
+            return "timed out"
+    return describe(exc, redact)
+
+
 def describe(exc: BaseException, redact: Callable[[str], str] = lambda s: s) -> str:
     """``"ClassName: message"`` of the most informative exception in the chain (the one carrying an
     S3 response if there is one), shortened and passed through ``redact``."""
@@ -225,7 +281,8 @@ def translate(exc: BaseException, kind: Kind, *, url: str, op: str,
         what = "the bucket does not exist" if code == "NoSuchBucket" else "no such object or prefix"
         return NotFoundError(f"{op}: {what} ({cause})", url=url, hint=NOT_FOUND_HINT)
     if kind == "permission":
-        return PermissionDeniedError(f"{op}: access denied ({cause})", url=url, hint=PERMISSION_HINT)
+        what = "no credentials found" if _no_credentials(exc) else "access denied"
+        return PermissionDeniedError(f"{op}: {what} ({cause})", url=url, hint=PERMISSION_HINT)
     tries = f"{attempts} attempt{'s' if attempts != 1 else ''} over {elapsed:.1f}s"
     if kind == "throttled":
         return ThrottledError(f"{op}: the store is throttling requests, still throttled after {tries} "
@@ -242,15 +299,23 @@ _WARN_EVERY = 10.0  # seconds: a long outage is reported (once per process per p
 _last_warning = [float("-inf")]
 
 
-def _warn_long_outage(op: str, url: str, kind: Kind, elapsed: float, deadline: float) -> None:
+def _warn_long_outage(op: str, url: str, kind: Kind, elapsed: float, deadline: float, endpoint: str,
+                      cause: str) -> None:
     now = time.monotonic()
     with _rng_lock:
         if elapsed < _WARN_EVERY or now - _last_warning[0] < _WARN_EVERY:
             return
         _last_warning[0] = now
     what = "throttling requests" if kind == "throttled" else "unavailable"
-    log.warning("%s %s: the store has been %s for %.0f s; still retrying, up to RetryConfig.deadline=%.0f s",
-                op, url, what, elapsed, deadline)
+    log.warning("%s %s: the store at %s has been %s for %.0f s (%s); still retrying, up to "
+                "RetryConfig.deadline=%.0f s", op, url, endpoint, what, elapsed, cause, deadline)
+
+
+def unreachable(op: str, url: str, endpoint: str, reason: str, attempts: int, elapsed: float) -> UnreachableError:
+    """The error of a store that never answered: ``reason`` (``unreachable_cause``) and ``endpoint``."""
+    tries = f"{attempts} attempt{'s' if attempts != 1 else ''} over {elapsed:.1f}s"
+    return UnreachableError(f"{op}: cannot reach the store at {endpoint}: {reason} ({tries}; it has never "
+                            f"answered)", url=url, hint=UNREACHABLE_HINT)
 
 
 def backoff_delay(attempt: int, policy: RetryConfig) -> float:
@@ -272,12 +337,17 @@ def retry_call(
     on_error: Callable[[str, bool], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    endpoint: str = "its endpoint",
+    unanswered: Callable[[], bool] | None = None,
 ) -> T:
     """Call ``fn`` until it succeeds, a non-transient error occurs, or the policy is exhausted.
 
     ``started`` (a ``time.monotonic()`` value) lets several calls share one operation's deadline.
     ``on_attempt()`` runs before each attempt, ``on_error(error_class_name, will_retry)`` after each
-    failure. ``DatacacheError`` raised by ``fn`` passes through untouched. Thread-safe.
+    failure. ``DatacacheError`` raised by ``fn`` passes through untouched. ``endpoint`` names the
+    store in warnings and errors; while ``unanswered()`` is true (the store never answered), a
+    refused connection or an unresolved name is retried only until ``policy.connect_deadline``
+    (then ``UnreachableError``). Thread-safe.
     """
     t0 = time.monotonic() if started is None else started
     attempts = max(1, policy.attempts) if policy.attempts is not None else None
@@ -298,16 +368,20 @@ def retry_call(
             # Throttled: no sleep of our own, the node's congestion gate (inside fn) spaces attempts.
             delay = backoff_delay(attempt, policy) if kind == "transient" else 0.0
             gated = isinstance(exc, NodeBackoff)  # fn could not even start before the deadline
+            # a store that never answered and cannot be reached at all: a typo, or it is not running
+            reason = unreachable_cause(exc) if unanswered is not None and unanswered() else None
+            limit = policy.deadline if reason is None else min(policy.deadline, policy.connect_deadline)
             retry = (kind in RETRYABLE and not gated and (attempts is None or attempt < attempts)
-                     and elapsed + delay < policy.deadline and not (cancelled is not None and cancelled()))
+                     and elapsed + delay < limit and not (cancelled is not None and cancelled()))
             cause = last if gated and last is not None else exc  # the store's own answer, if any
             err = translate(cause, kind, url=url, op=op, attempts=max(1, attempt - gated), elapsed=elapsed,
-                            redact=redact)
+                            redact=redact) if reason is None else unreachable(op, url, endpoint, reason, attempt,
+                                                                              elapsed)
             if on_error is not None:
                 on_error(type(err).__name__, retry)
             if not retry:
                 raise err from cause
-            _warn_long_outage(op, url, kind, elapsed, policy.deadline)
+            _warn_long_outage(op, url, kind, elapsed, policy.deadline, endpoint, plain_cause(exc, redact))
             last = exc
             log.debug("%s %s: attempt %d failed (%s); retrying in %.2fs", op, url, attempt,
                       describe(exc, redact), delay)

@@ -21,7 +21,8 @@ from ._version import __version__
 from ._cli_cmds import COMMANDS, Ctx, UsageError
 from .config import ENV_VARS, POLICIES, CacheConfig, cache_settings
 from .errors import DatacacheError
-from ._cli_types import fraction as _fraction, nonneg_int as _nonneg_int, pos_int as _pos_int, size as _size
+from ._cli_types import fraction as _fraction, nonneg_int as _nonneg_int, pos_int as _pos_int, size as _size, \
+    url as _url
 from .plan import DEFAULT_WINDOW
 
 __all__ = ["main", "build_parser", "config_from_env", "cache_config_from", "storage_options_from", "ENV_VARS",
@@ -231,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     subs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = _sub(subs, "warm", "fill this node's cache with what its ranks read first")
-    p.add_argument("url", metavar="URL", nargs="?", default=None, help="dataset prefix (holding manifest.json)")
+    p.add_argument("url", metavar="URL", type=_url, nargs="?", default=None,
+                   help="dataset prefix (holding manifest.json)")
     p.add_argument("--streams", metavar="FILE", default=None,
                    help="instead of URL: a mixed dataset's streams, a JSON or YAML file of streams (url, proportion/"
                         "repeat/choose, storage_options, reader_options), epoch_size, batching, sampling")
@@ -264,21 +266,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true", help="show what would be warmed; fetch nothing")
 
     p = _sub(subs, "stat", "cache usage, hit rates and cached datasets")
-    p.add_argument("url", metavar="URL", nargs="?", default=None,
+    p.add_argument("url", metavar="URL", type=_url, nargs="?", default=None,
                    help="a dataset prefix: with --nodes, show how much of a node's share is cached")
     p.add_argument("--nodes", type=_pos_int, default=None, help="nodes in the job (with URL and --node-rank)")
     p.add_argument("--node-rank", type=_nonneg_int, default=None, help="the node whose share to show (default 0)")
     p.add_argument("--seed", type=int, default=0, help="the dataset seed, with --nodes (default 0)")
 
     p = _sub(subs, "ls", "summary of a dataset's manifest")
-    p.add_argument("url", metavar="URL", help="dataset prefix (holding manifest.json)")
+    p.add_argument("url", metavar="URL", type=_url, help="dataset prefix (holding manifest.json)")
     p.add_argument("--shards", "-l", action="store_true", help="also list every shard")
     p.add_argument("--nodes", type=_pos_int, default=None,
                    help="show each node's share of a job on this many nodes (node placement)")
     p.add_argument("--seed", type=int, default=0, help="the dataset seed, with --nodes (default 0)")
 
     p = _sub(subs, "index", "build manifest.json for existing parquet/tar/lmdb files")
-    p.add_argument("url", metavar="URL", help="prefix holding the files")
+    p.add_argument("url", metavar="URL", type=_url, help="prefix holding the files")
     p.add_argument("--format", required=True, choices=("parquet", "tar", "lmdb"), help="format of the files")
     p.add_argument("--pattern", metavar="GLOB", default=None,
                    help="which objects (relative names; '*' crosses '/'); default '*.parquet' / '*.tar' / '*.lmdb'")
@@ -287,8 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing manifest.json")
 
     p = _sub(subs, "write", "convert a folder, Parquet, JSONL or dataset into a dataset")
-    p.add_argument("src", metavar="SRC", help="folder, .parquet file, .jsonl file, or dataset URL")
-    p.add_argument("dest", metavar="DEST", help="URL of the new dataset")
+    p.add_argument("src", metavar="SRC", type=_url, help="folder, .parquet file, .jsonl file, or dataset URL")
+    p.add_argument("dest", metavar="DEST", type=_url, help="URL of the new dataset")
     p.add_argument("--format", default="zstd", choices=("zstd", "parquet", "lmdb", "tar"),
                    help="shard format (default zstd)")
     p.add_argument("--shard-bytes", type=_size, default=64_000_000, metavar="SIZE",
@@ -301,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace DEST's dataset (old shards go once the new is live)")
 
     p = _sub(subs, "verify", "check cached and/or remote shards against the manifest hashes")
-    p.add_argument("url", metavar="URL", help="dataset prefix (holding manifest.json)")
+    p.add_argument("url", metavar="URL", type=_url, help="dataset prefix (holding manifest.json)")
     only = p.add_mutually_exclusive_group()
     only.add_argument("--cached-only", action="store_true", help="only the files in the node cache")
     only.add_argument("--remote-only", action="store_true", help="only the remote objects")

@@ -59,12 +59,19 @@ class RetryConfig:
     are never retried. Unavailable: exponential backoff with full jitter between ``base_delay`` and
     ``max_delay`` per operation; throttled: the node backs off as a whole (``datacache.congestion``:
     its request window halves and its gate waits ``base_delay`` doubling up to ``max_delay``).
+
+    ``connect_deadline``: a store that has never answered this ``Store`` (nor the one it was
+    pickled or forked from) and refuses the connection or whose host name does not resolve (a
+    typo in the endpoint, a store that is not running) is retried only this long, then one
+    ``UnreachableError`` names the endpoint and the cause. Once the store has answered, an outage
+    gets the whole ``deadline``.
     """
 
     attempts: int | None = None
     base_delay: float = 0.2
     max_delay: float = 4.0
     deadline: float = 600.0
+    connect_deadline: float = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,8 @@ Every error names the URL or path it concerns, says what was expected, and what 
     +-- StorageError                the object store could not serve a request
     |   +-- TransientStorageError   5xx, refused or reset connections, timeouts: retries were exhausted
     |   |   +-- ThrottledError      the store kept throttling (503 SlowDown, 429...) until the deadline
+    |   |   +-- UnreachableError    a store that never answered refuses connections or its host name
+    |   |                           does not resolve (a typo in the endpoint?): RetryConfig.connect_deadline
     |   +-- NotFoundError           404, no such bucket or key (also a FileNotFoundError)
     |   +-- PermissionDeniedError   403, missing or wrong credentials (also a PermissionError)
     |   +-- ReadCancelledError      a read its caller abandoned (Ctrl-C, closed prefetcher): not retried
@@ -35,6 +37,7 @@ __all__ = [
     "StorageError",
     "TransientStorageError",
     "ThrottledError",
+    "UnreachableError",
     "NotFoundError",
     "PermissionDeniedError",
     "ReadCancelledError",
@@ -69,6 +72,11 @@ class TransientStorageError(StorageError):
 class ThrottledError(TransientStorageError):
     """The store kept answering "slow down" (503 SlowDown, 429, RequestLimitExceeded...) until the
     retry deadline: lower the request rate (``TransferConfig.max_requests_per_s``) or raise it."""
+
+
+class UnreachableError(TransientStorageError):
+    """A store that has never answered refused the connection or its host name did not resolve
+    until ``RetryConfig.connect_deadline``: the endpoint is wrong or the store is not running."""
 
 
 class NotFoundError(StorageError, FileNotFoundError):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from ._retry import error_code
 from .errors import DatacacheError, ManifestError
 from .hashing import ALGORITHM, hash_bytes
 
@@ -158,6 +159,7 @@ class Manifest:
         if version > FORMAT_VERSION:
             raise ManifestError(f"manifest format_version {version} is newer than this datacache supports "
                                 f"({FORMAT_VERSION})", url=url, hint="Upgrade datacache")
+        _check_algorithm(doc.get("hash_algorithm", ALGORITHM), "the manifest's hash_algorithm", url)
         schema = doc["schema"]
         if not isinstance(schema, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in schema.items()):
             raise ValueError("schema must map field names to kind strings")
@@ -169,6 +171,7 @@ class Manifest:
                 raise ValueError(f"shard {name!r}: bytes and samples must be non-negative integers")
             if not isinstance(digest, str) or not _HASH_RE.match(digest):
                 raise ValueError(f"shard {name!r}: hash {digest!r} is not '<algorithm>:<hex>'")
+            _check_algorithm(digest.split(":", 1)[0], f"shard {name!r}'s hash", url)
             shards.append(ShardInfo(name, size, samples, digest))
         if len({s.name for s in shards}) != len(shards):
             raise ValueError("duplicate shard names")
@@ -183,12 +186,25 @@ class Manifest:
         return m
 
 
+def _check_algorithm(algorithm: Any, what: str, url: str | None) -> None:
+    """ManifestError unless ``algorithm`` is the one datacache verifies shards with."""
+    if algorithm != ALGORITHM:
+        raise ManifestError(f"{what} is {algorithm!r}, but this datacache verifies shards only with "
+                            f"{ALGORITHM!r}", url=url, hint=f"Rebuild the manifest with `datacache index` or datacache.write_dataset "
+                            f"(they hash with {ALGORITHM})")
+
+
 def load_manifest(store: Any) -> Manifest:
     """Read and validate ``manifest.json`` from a ``Store``."""
     url = store.url_of(MANIFEST_NAME)
     try:
         size = store.size(MANIFEST_NAME)
     except DatacacheError as exc:
+        if isinstance(exc, FileNotFoundError) and error_code(exc) == "NoSuchBucket":
+            bucket = store.url.split("://", 1)[-1].split("/", 1)[0]
+            raise type(exc)(f"the bucket {bucket!r} does not exist", url=url,
+                            hint="Check the bucket name in the URL (and the endpoint: another store may "
+                            "hold it)") from exc
         if isinstance(exc, FileNotFoundError):
             raise type(exc)(f"no {MANIFEST_NAME} at this prefix", url=url,
                             hint="Check the URL, or build one with `datacache index` / datacache.write_dataset") from exc

@@ -26,7 +26,11 @@ Reliability: every backend call goes through one bounded retry policy (:mod:`dat
 spaced by the node's congestion gate instead). s3fs's and botocore's
 own retries are switched off (``S3FileSystem.retries = 1`` and botocore ``total_max_attempts=1``; s3fs still
 sleeps ~0.1 s once after a throttling error) so that policy is the only one that counts and its
-bounds are real. Backend errors are translated where they enter (``raise X(...) from exc``) into
+bounds are real. A store that has never answered this ``Store`` (or the one it was pickled or
+forked from) and refuses the connection or whose name does not resolve is a wrong endpoint or a
+store that is not running: it is retried only ``RetryConfig.connect_deadline`` seconds, then
+``UnreachableError`` names ``Store.endpoint`` and the cause; once it has answered, outages get the
+whole deadline. Backend errors are translated where they enter (``raise X(...) from exc``) into
 :mod:`datacache.errors`; messages name the full URL, the cause and what to do, and never contain
 credentials (they are scrubbed from every message; ``repr(store)`` shows no options).
 
@@ -43,6 +47,7 @@ restart from zero in the child.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import weakref
@@ -55,14 +60,15 @@ import fsspec
 from fsspec.core import split_protocol
 
 from ._cancel import cat_range
-from ._fsutil import S3, abandon_inherited, fs_options, read_parts, replace_local, shared_loader
+from ._fsutil import S3, abandon_inherited, endpoint_of, fs_options, read_parts, replace_local, shared_loader
 from ._slots import PrioritySlots
-from ._retry import ShortReadError, check_name as _check_name, error_code, retry_call, secret_values
+from ._retry import ShortReadError, answered, check_name as _check_name, error_code, retry_call, secret_values
 from .congestion import Congestion
 from .config import RetryConfig, TransferConfig
 from .errors import IntegrityError, NotFoundError, StorageError
+from .manifest import MANIFEST_NAME
 
-__all__ = ["open_store", "Store"]
+__all__ = ["open_store", "Store", "check_url"]
 
 SMALL_READ = 64 << 10  # read_range: a read this small takes no request slot
 _thread_ids = count()
@@ -78,10 +84,30 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _normalize(url: str) -> tuple[str, str]:
-    """``(protocol, normalized url ending with "/")``; plain paths become ``file://`` URLs."""
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)(.*)$", re.S)
+
+
+def check_url(url: str) -> str:
+    """``url`` if it is a URL or a local path datacache can open, else ValueError saying why: a
+    chained fsspec URL, or a known scheme not followed by ``//`` (``s3:/bucket/x/``, which would
+    otherwise be read as the local folder ``./s3:/bucket/x``). Pure."""
     if "::" in url:
         raise ValueError(f"chained fsspec URLs are not supported: {url!r}")
+    m = _SCHEME.match(url)
+    if m is not None and m.group(1).lower() in fsspec.available_protocols():
+        scheme, rest = m.group(1), m.group(2)
+        fixed = f"{scheme}://{rest if scheme.lower() in ('file', 'local') else rest.lstrip('/')}"
+        raise ValueError(f"{url!r} is not a valid URL: {scheme + ':'!r} must be followed by '//' "
+                         f"(did you mean {fixed!r}?)")
+    return url
+
+
+def _normalize(url: str) -> tuple[str, str]:
+    """``(protocol, normalized url ending with "/")``; plain paths become ``file://`` URLs. A URL
+    naming the dataset's manifest (``.../manifest.json``) opens the prefix that holds it."""
+    check_url(url)
+    if url.rstrip("/").endswith("/" + MANIFEST_NAME) or url == MANIFEST_NAME:
+        url = url.rstrip("/")[: -len(MANIFEST_NAME)] or "."
     protocol, path = split_protocol(url)
     if protocol in (None, "file", "local"):
         local = os.path.abspath(os.path.expanduser(path))
@@ -96,7 +122,8 @@ def open_store(url: str, storage_options: dict | None = None, *, transfer: Trans
 
 
 class Store:
-    """A dataset prefix on an object store or file system. Thread-safe and fork-safe (see module)."""
+    """A dataset prefix on an object store or file system. Thread-safe and fork-safe (see module).
+    ``endpoint``: the endpoint it talks to and where that setting came from (for messages)."""
 
     def __init__(self, url: str, storage_options: dict | None = None, *,
                  transfer: TransferConfig | None = None, retry: RetryConfig | None = None) -> None:
@@ -107,6 +134,8 @@ class Store:
         self._pool_size = max(c, self.transfer.max_requests, min(64, 4 * c))
         self._options = fs_options(self.protocol, storage_options, self.transfer, self._pool_size)
         self._secret_values = secret_values(storage_options)
+        self.endpoint = endpoint_of(self.protocol, storage_options)
+        self._answered = False  # the store answered once (here or where this Store was pickled or forked from)
         self.congestion = self._congestion(None)
         self._init_state()
         _stores.add(self)
@@ -158,8 +187,8 @@ class Store:
         return {"session": session}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: self.__dict__[k] for k in ("protocol", "url", "transfer", "retry", "_pool_size",
-                                               "_options", "_secret_values", "congestion")}
+        return {k: self.__dict__[k] for k in ("protocol", "url", "transfer", "retry", "_pool_size", "_options",
+                                               "_secret_values", "congestion", "endpoint", "_answered")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -234,10 +263,17 @@ class Store:
         def attempt() -> Any:
             with (slots or self._requests).hold(priority) if priority is not None else nullcontext(), \
                     self.congestion.request(started + self.retry.deadline, cancelled):
-                return fn(fs, path)
+                try:
+                    out = fn(fs, path)
+                except Exception as exc:
+                    self._answered = self._answered or answered(exc)
+                    raise
+                self._answered = True
+                return out
         return retry_call(attempt, self.retry, url=self.url_of(name), op=op,
                           redact=self._redact, started=started, cancelled=cancelled,
-                          on_attempt=lambda: self._bump("requests"), on_error=self._on_error)
+                          on_attempt=lambda: self._bump("requests"), on_error=self._on_error,
+                          endpoint=self._redact(self.endpoint), unanswered=lambda: not self._answered)
 
     # -- public API -------------------------------------------------------------------------
     def url_of(self, name: str) -> str:

@@ -12,7 +12,8 @@ EXPECTED = {
     "__version__", "write_dataset", "DatasetWriter", "Manifest", "ShardInfo", "load_manifest", "open_store", "Store",
     "NodeCache", "CacheHandle", "LRUPolicy", "ClairvoyantPolicy", "Schedule", "StreamingDataset", "DataLoader", "CachedDataset", "Stream", "CacheConfig",
     "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size", "DatacacheError", "StorageError",
-    "TransientStorageError", "ThrottledError", "NotFoundError", "PermissionDeniedError", "ManifestError",
+    "TransientStorageError", "ThrottledError", "UnreachableError", "NotFoundError", "PermissionDeniedError",
+    "ManifestError",
     "IntegrityError",
     "ReaderError", "CacheError", "DatasetExistsError",
 }

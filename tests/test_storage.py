@@ -18,8 +18,11 @@ from datacache.errors import (
     PermissionDeniedError,
     StorageError,
     TransientStorageError,
+    UnreachableError,
 )
 from datacache.storage import Store, open_store
+from tools.s3server import free_ports
+from tools.slowlink import SlowLink
 
 PART = 16 * 1024
 TRANSFER = TransferConfig(part_bytes=PART, concurrency=4, timeout=10)
@@ -335,3 +338,67 @@ def test_a_get_that_times_out_on_an_async_filesystem_is_retried_not_waited_on(s3
                 store.read_range("o.bin", 0, 100, cancelled=cancelled)
             assert "3 attempts" in str(info.value) and "Timeout" in str(info.value)
     assert link.requests == 6
+
+
+# A store that never answered is given up on at once (connect_deadline=0), one that answered is not.
+NEVER_WAIT = RetryConfig(base_delay=0.01, max_delay=0.05, deadline=20, connect_deadline=0)
+
+
+@pytest.mark.parametrize("endpoint, cause", [
+    (f"http://127.0.0.1:{free_ports(1)[0]}", "connection refused"),
+    ("http://no-such-host.invalid:9000", "name not resolved"),
+])
+def test_an_endpoint_that_never_answered_fails_at_open_naming_endpoint_and_cause(
+        endpoint: str, cause: str, monkeypatch: Any) -> None:
+    """A typo in the endpoint (a closed port, a name that does not resolve) is one line naming the
+    endpoint and the cause, from the open-time path (``UnreachableError``), not ten minutes of
+    retries; through storage_options and through AWS_ENDPOINT_URL alike. No network is needed."""
+    opts = {"key": "k" * 8, "secret": SECRET}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    for options, source in (({**opts, "client_kwargs": {"endpoint_url": endpoint}}, "storage_options"),
+                            (opts, "AWS_ENDPOINT_URL")):
+        with open_store("s3://bucket/ds/", options, retry=NEVER_WAIT) as store:
+            with pytest.raises(UnreachableError) as info:
+                store.size("manifest.json")
+        text = str(info.value)
+        assert f"cannot reach the store at {endpoint} (from {source}): {cause}" in text, text
+        assert "never answered" in text and "s3://bucket/ds/manifest.json" in text and "\n" not in text
+        assert SECRET not in text and isinstance(info.value, TransientStorageError)
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_answered_once_keeps_the_whole_deadline_and_warnings_name_endpoint_and_cause(
+        s3_server: Any, s3_store_url: str, caplog: Any, monkeypatch: Any) -> None:
+    """Mid-epoch unavailability (the store answered, then refuses connections) is retried up to
+    ``RetryConfig.deadline`` as before, also in a pickled copy of the store (a spawned DataLoader
+    worker), and each outage warning names the endpoint and the cause."""
+    open_store(s3_store_url, s3_server.storage_options()).write_bytes("o.bin", b"x" * 100)
+    link = SlowLink("127.0.0.1", s3_server.port, bandwidth=0, latency=0).start()
+    port = link.port
+    opts = s3_server.storage_options(link.endpoint_url)
+    with open_store(s3_store_url, opts, retry=NEVER_WAIT) as first:
+        assert first.size("o.bin") == 100  # the store answered
+        store = pickle.loads(pickle.dumps(first))
+    link.stop()  # the port now refuses connections
+    monkeypatch.setattr(_retry, "_WARN_EVERY", 0.0)
+    monkeypatch.setattr(_retry, "_last_warning", [float("-inf")])
+    back: list[SlowLink] = []
+
+    def restart_after_retries() -> None:
+        while store.stats()["retries"] < 3:  # refused, and retried although connect_deadline is 0
+            time.sleep(0.01)
+        back.append(SlowLink("127.0.0.1", s3_server.port, bandwidth=0, latency=0, listen_port=port).start())
+
+    helper = threading.Thread(target=restart_after_retries, name="test-restart-link", daemon=True)
+    helper.start()
+    try:
+        with caplog.at_level("WARNING", logger="datacache.storage"), store:
+            assert store.read_bytes("o.bin") == b"x" * 100
+    finally:
+        helper.join(timeout=10)
+        for again in back:
+            again.stop()
+    warnings = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    assert warnings, caplog.text
+    assert all(f"the store at {link.endpoint_url} (from storage_options)" in w and "(connection refused)" in w
+               for w in warnings), warnings
