@@ -4,7 +4,10 @@ or a dataset. Each source is a lazy iterator of samples (files are read as they 
 Folders: one sample per file (or, grouped, per WebDataset key). Files in class folders
 (``root/<class>/...``, every file) also get ``label`` (the index of the class among the sorted class
 folder names) and ``class`` (its name). ``shuffle`` writes the samples in a seeded random order;
-without it, class folders come one after another, which a warning points out.
+without it, class folders come one after another, which a warning points out. A folder holding a
+dataset another library wrote (an MDS or LitData ``index.json``, a datacache ``manifest.json``
+below the top, a Hugging Face ``save_to_disk`` folder) is refused with what to do instead, unless
+``--src-type folder`` asks for its files as they are.
 
 Foreign values become datacache field values (:func:`normalize`): bool -> int, lists and dicts ->
 JSON text, a Hugging Face image (``{"bytes": ..., "path": ...}``) -> its bytes, a float32 (or
@@ -96,6 +99,58 @@ def _src_type(src: str, explicit: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- folders
+_MARKERS = ("index.json", MANIFEST_NAME, "dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def _json_object(path: str) -> dict[str, Any]:
+    """The JSON object in ``path``, or {} when it is none (too big, unreadable, not JSON)."""
+    try:
+        if os.path.getsize(path) > 64 << 20:
+            return {}
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _layout(folder: str, names: set[str]) -> tuple[str, str] | None:
+    """(what dataset layout ``folder``, holding the marker files ``names``, is; what to do), or None."""
+    if "index.json" in names:
+        doc = _json_object(os.path.join(folder, "index.json"))
+        shards, chunks = doc.get("shards"), doc.get("chunks")
+        if isinstance(shards, list) and shards and isinstance(shards[0], dict) and "raw_data" in shards[0]:
+            return ("a MosaicML Streaming (MDS) dataset (index.json)",
+                    "read its samples with streaming.StreamingDataset and pass them to datacache.write_dataset()")
+        if isinstance(chunks, list) and isinstance(doc.get("config"), dict):
+            return ("a LitData optimized dataset (index.json)",
+                    "read its samples with litdata.StreamingDataset and pass them to datacache.write_dataset()")
+    if MANIFEST_NAME in names and {"format", "shards"} <= set(_json_object(os.path.join(folder, MANIFEST_NAME))):
+        return f"a datacache dataset ({MANIFEST_NAME})", "pass that folder itself as the source to convert it"
+    if "dataset_dict.json" in names or {"dataset_info.json", "state.json"} <= names:
+        return ("a Hugging Face datasets folder (save_to_disk)",
+                "export it with ds.to_parquet('train.parquet') and write that file, or pass the samples of "
+                "datasets.load_from_disk() to datacache.write_dataset()")
+    return None
+
+
+def _refuse_foreign_layout(root: str, files: list[str]) -> None:
+    """UsageError when ``root`` or a folder in it (``files``: paths relative to ``root``) holds a
+    dataset a library wrote (MDS, LitData, datacache, Hugging Face): a folder source would store
+    its index and shard files as raw samples."""
+    markers: dict[str, set[str]] = {}
+    for rel in files:
+        folder, name = os.path.split(rel)
+        if name in _MARKERS:
+            markers.setdefault(folder, set()).add(name)
+    for folder in sorted(markers, key=lambda f: (f.count(os.sep) + bool(f), f)):  # the outermost first
+        found = _layout(os.path.join(root, folder), markers[folder])
+        if found is not None:
+            where = root if not folder else f"{os.path.join(root, folder)} (in {root})"
+            raise UsageError(f"{where} is {found[0]}: datacache write would store its index and shard files as raw "
+                             f"samples; {found[1]} (or pass --src-type folder to store the files anyway)")
+
+
 def _folder_items(root: str, group: bool) -> list[tuple[str, list[tuple[str, str]]]]:
     """(key, [(field, relative path)]) per sample, in key order."""
     files = []
@@ -121,8 +176,11 @@ def _class_names(items: list[tuple[str, list[tuple[str, str]]]]) -> list[str] | 
     return sorted({key.split("/", 1)[0] for key, _ in items})
 
 
-def _folder_source(root: str, group: bool, shuffle: bool, seed: int) -> Source:
+def _folder_source(root: str, group: bool, shuffle: bool, seed: int, layouts: bool) -> Source:
+    """``layouts``: refuse a folder holding another library's dataset (``_refuse_foreign_layout``)."""
     items = _folder_items(root, group)
+    if layouts:
+        _refuse_foreign_layout(root, [rel for _, fields in items for _, rel in fields])
     classes = _class_names(items)
     index = {name: i for i, name in enumerate(classes or [])}
     warnings = []
@@ -206,7 +264,7 @@ def open_source(src: str, src_type: str, *, group: bool, shuffle: bool, seed: in
         raise UsageError(f"--shuffle shuffles the files of a folder; {src} is a {kind} source "
                          f"(read it with shuffle=True instead)")
     if kind == "folder":
-        return _folder_source(src, group, shuffle, seed)
+        return _folder_source(src, group, shuffle, seed, layouts=src_type == "auto")
     if kind == "jsonl":
         return Source(kind, _jsonl_samples(src, storage_options))
     if kind == "parquet":

@@ -21,7 +21,7 @@ Pure functions of their arguments; thread-safe.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -129,6 +129,31 @@ def _other(values: list[Any]) -> Any:
     return default_collate(values)
 
 
+def _ragged(values: Sequence[Any], path: tuple[Any, ...]) -> tuple[tuple[Any, ...], int, int] | None:
+    """The first field under ``path`` holding lists (or tuples) of differing lengths in ``values``,
+    one per sample, with two of those lengths; None if there is none."""
+    v0 = values[0]
+    if isinstance(v0, Mapping):
+        keys: Sequence[Any] = [k for k in v0 if all(isinstance(v, Mapping) and k in v for v in values)]
+    elif isinstance(v0, (list, tuple)):
+        other = next((len(v) for v in values if not isinstance(v, (list, tuple)) or len(v) != len(v0)), None)
+        if other is not None:
+            return path, len(v0), other
+        keys = range(len(v0))
+    else:
+        return None
+    return next((r for k in keys if (r := _ragged([v[k] for v in values], (*path, k))) is not None), None)
+
+
+def _ragged_message(path: tuple[Any, ...], a: int, b: int) -> str:
+    """One line naming the ragged field (``path`` from ``_ragged``) and what to do."""
+    name = str(path[0]) + "".join(f"[{k!r}]" for k in path[1:]) if path else ""
+    what = f"field {name!r}" if path and isinstance(path[0], str) else f"item {name}" if path else "a sample"
+    return (f"datacache: {what} holds lists of different lengths in one batch ({a} and {b} items), which the "
+            f"default collation cannot stack into one tensor: pass collate_fn= to datacache.DataLoader (a function "
+            f"that pads or packs them), or batch_size=None and batch the samples yourself")
+
+
 def plan(samples: Sequence[Any]) -> BatchPlan:
     """Walk ``samples`` once: the fixed columns and their layout, the other leaves collated."""
     leaves: list[_Fixed | _Done] = []
@@ -137,7 +162,13 @@ def plan(samples: Sequence[Any]) -> BatchPlan:
         dtype = _fixed(values)
         leaves.append(_Done(_other(values)) if dtype is None else _Fixed(values, dtype))
 
-    _walk_with(samples, leaf)
+    try:
+        _walk_with(samples, leaf)
+    except RuntimeError as exc:  # torch's bare "each element in list of batch should be of equal size"
+        ragged = _ragged(samples, ())
+        if ragged is None:
+            raise
+        raise RuntimeError(_ragged_message(*ragged)) from exc
     fields, pos = [], 0
     for c in leaves:
         if isinstance(c, _Fixed):

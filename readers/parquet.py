@@ -8,14 +8,18 @@ every ``row_group_rows`` rows (or ``row_group_bytes`` buffered payload bytes).
 Reader: memory-mapped; row groups map to index ranges; ``get(i)`` reads one row group and keeps
 the last one decoded as Python columns. ``open(path, columns=[...])`` projects columns. Files
 without datacache metadata (any Parquet file, e.g. from Hugging Face) read too: values come out
-as pyarrow's ``to_pylist`` gives them, and :attr:`schema` reports binary -> ``bytes``, string
--> ``str``, integer -> ``int``, floating -> ``float`` and any other type as ``"any"``.
+as pyarrow's ``to_pylist`` gives them, except that a fixed-size list of numbers (arrow's
+``fixed_size_list<float32, 4>``, nested ones too) comes out as a writable ``ndarray`` of its
+dtype and shape (``(4,)``), so batches stack it as one tensor. :attr:`schema` reports binary ->
+``bytes``, string -> ``str``, integer -> ``int``, floating -> ``float``, such a fixed-size list
+-> ``ndarray`` and any other type as ``"any"`` (a variable-length list stays a Python list).
 
 Thread safety: one reader or writer per thread.
 """
 from __future__ import annotations
 
 import io
+import math
 import os
 from typing import Any, Iterator, Sequence
 
@@ -109,15 +113,48 @@ def arrow_kind(dtype: pa.DataType) -> str:
         return "str"
     if pa.types.is_integer(dtype):
         return "int"
+    if _fixed_shape(dtype) is not None:
+        return "ndarray"
     return "float" if pa.types.is_floating(dtype) else "any"
+
+
+def _fixed_shape(dtype: pa.DataType) -> tuple[int, ...] | None:
+    """The shape of one value of a (nested) fixed-size list of numbers or bools, else None."""
+    shape: list[int] = []
+    while pa.types.is_fixed_size_list(dtype):
+        shape.append(dtype.list_size)
+        dtype = dtype.value_type
+    numeric = pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_boolean(dtype)
+    return tuple(shape) if shape and numeric else None
+
+
+def _fixed_lists(chunk: pa.Array, shape: tuple[int, ...]) -> list[np.ndarray | None] | None:
+    """The rows of a fixed-size list array as views of one writable ndarray (None for a null
+    row); None when a number inside a row is null (the caller keeps ``to_pylist`` then)."""
+    rows, leaf = chunk.is_valid(), chunk
+    for _ in shape:
+        leaf = leaf.flatten()  # skips null rows (at each level)
+    if leaf.null_count or len(leaf) != math.prod(shape) * rows.true_count:
+        return None  # a null number, or a null list inside a valid row
+    flat = np.array(leaf.to_numpy(zero_copy_only=False), copy=True).reshape((-1, *shape))
+    if rows.true_count == len(chunk):
+        return list(flat)
+    it = iter(flat)
+    return [next(it) if ok else None for ok in rows.to_pylist()]
 
 
 def _values(column: pa.ChunkedArray, encoded: bool) -> list[Any]:
     """A column's values as samples hold them: floats keep a narrower dtype as numpy scalars
     (``float32`` stays ``float32``), ``encoded`` (codec-encoded array) columns are views of one
-    writable copy of the data, so their arrays are writable; else ``to_pylist``."""
+    writable copy of the data, so their arrays are writable, as are fixed-size lists of numbers
+    (``_fixed_lists``); else ``to_pylist``."""
     if encoded:
         return [v for chunk in column.chunks for v in _binary_views(chunk)]
+    shape = _fixed_shape(column.type)
+    if shape is not None:
+        rows = [_fixed_lists(chunk, shape) for chunk in column.chunks]
+        if all(r is not None for r in rows):
+            return [v for r in rows for v in r]  # type: ignore[union-attr]
     if pa.types.is_floating(column.type) and column.type != pa.float64():
         return [v if v is None else column.type.to_pandas_dtype()(v) for v in column.to_pylist()] \
             if column.null_count else list(column.to_numpy())

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import readers
-from datacache import load_manifest, open_store
+from datacache import load_manifest, open_store, write_dataset
 from datacache.cli import main
 
 CLASSES = ["cat", "dog", "zebra"]
@@ -168,3 +168,64 @@ def test_index_names_an_object_of_another_format(fmt: str, expected: str, s3_ser
     open_store(url, s3_server.storage_options()).write_bytes(f"part-0.{fmt}", b"junk" * 300)
     _, err = _cli(["index", url, "--format", fmt, "--storage-options", opts], capsys, rc=3)
     assert f"{url}part-0.{fmt}: {expected}" in err and "Check --format and --pattern" in err
+
+
+_MDS_INDEX = {"version": 2, "shards": [{
+    "column_encodings": ["int", "str"], "column_names": ["label", "text"], "column_sizes": [8, None],
+    "compression": None, "format": "mds", "hashes": [], "samples": 2, "size_limit": 67108864, "version": 2,
+    "raw_data": {"basename": "shard.00000.mds", "bytes": 64, "hashes": {}}, "zip_data": None}]}
+_LITDATA_INDEX = {"chunks": [{"chunk_bytes": 64, "chunk_size": 2, "dim": None, "filename": "chunk-0-0.bin"}],
+                  "config": {"chunk_bytes": 64000000, "chunk_size": None, "compression": None,
+                             "data_format": ["int", "str"], "data_spec": "[1, {}]", "item_loader": "PyTreeLoader"},
+                  "updated_at": "1712345678.0"}
+
+
+def _foreign(root: Path, layout: str) -> Path:
+    """A folder as the library named ``layout`` writes it (index and data files; the data is junk)."""
+    root.mkdir()
+    if layout == "mds":
+        (root / "index.json").write_text(json.dumps(_MDS_INDEX))
+        (root / "shard.00000.mds").write_bytes(b"\0" * 64)
+    elif layout == "litdata":
+        (root / "index.json").write_text(json.dumps(_LITDATA_INDEX))
+        (root / "chunk-0-0.bin").write_bytes(b"\0" * 64)
+    elif layout == "datacache":  # a dataset in a folder of the source
+        write_dataset(({"i": i} for i in range(3)), str(root / "train"), progress=False)
+    elif layout == "hf":
+        (root / "dataset_info.json").write_text(json.dumps({"citation": "", "features": {}}))
+        (root / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+        (root / "data-00000-of-00001.arrow").write_bytes(b"\0" * 64)
+    else:  # a DatasetDict saved to disk
+        (root / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+        (root / "train").mkdir()
+        (root / "train" / "state.json").write_text("{}")
+    return root
+
+
+@pytest.mark.parametrize("layout, what, todo", [
+    ("mds", "is a MosaicML Streaming (MDS) dataset (index.json)", "streaming.StreamingDataset"),
+    ("litdata", "is a LitData optimized dataset (index.json)", "litdata.StreamingDataset"),
+    ("datacache", "/train (in {src}) is a datacache dataset (manifest.json)", "pass that folder itself"),
+    ("hf", "is a Hugging Face datasets folder (save_to_disk)", "ds.to_parquet("),
+    ("hf_dict", "is a Hugging Face datasets folder (save_to_disk)", "datasets.load_from_disk()"),
+], ids=["mds", "litdata", "datacache", "hf", "hf_dict"])
+def test_write_refuses_a_folder_holding_another_librarys_dataset(tmp_path: Path, capsys: Any, layout: str,
+                                                                 what: str, todo: str) -> None:
+    """Issue 37.5: ``datacache write`` of an MDS folder wrote index.json and the shards as samples."""
+    src = str(_foreign(tmp_path / "src", layout))
+    _, err = _cli(["write", src, str(tmp_path / "out")], capsys, rc=2)
+    assert len(err.strip().splitlines()) == 1 and what.format(src=src) in err and todo in err, err
+    assert "--src-type folder" in err and not (tmp_path / "out").exists()
+    out, _ = _cli(["write", src, str(tmp_path / "raw"), "--src-type", "folder"], capsys)  # asked for: the files
+    assert out["src_type"] == "folder" and out["num_samples"] >= 2
+
+
+def test_write_takes_a_folder_with_an_index_json_of_its_own(tmp_path: Path, capsys: Any) -> None:
+    """An ``index.json`` that is not a dataset index (nor a stray manifest.json) is a file like any other."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "index.json").write_text(json.dumps({"pages": ["a", "b"], "shards": 3}))
+    (src / "sub").mkdir()
+    (src / "sub" / "manifest.json").write_text(json.dumps({"name": "my app"}))
+    out, _ = _cli(["write", str(src), str(tmp_path / "out")], capsys)
+    assert out["num_samples"] == 2

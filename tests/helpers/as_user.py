@@ -13,6 +13,7 @@ without root's privileges. ``give_away(path)`` is what the chown tests call.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -87,17 +88,55 @@ def run_test_as_user(nodeid: str, base: Path, timeout: float = 240) -> subproces
 
 
 def _reachable(cmd: list[str], base: Path) -> list[str]:
-    """``cmd`` run (by root) in a private mount namespace where ``nobody`` can reach the Python
-    interpreter: if it lies under a directory others may not enter (a pyenv under /root), that
-    directory is masked by an empty tmpfs (mode 0755) holding only the interpreter's subtree."""
-    real = Path(os.path.realpath(sys.executable))
-    closed = next((p for p in reversed(real.parents) if p != Path("/") and not os.stat(p).st_mode & 0o001), None)
-    if closed is None:
+    """``cmd`` run (by root) in a private mount namespace where ``nobody`` can reach what the test
+    needs: the interpreter (the venv's path and the real one), its prefixes and ``sys.path``, and
+    the checkout (issue 37.4: a clone under ``mktemp -d`` or ``/root``). Each directory on those
+    paths that others may not enter is masked by an empty tmpfs (mode 0755) holding only the
+    entries on the paths, bind-mounted back; nested closed directories are masked outer first.
+    Skips with the reason where it cannot work (the checkout itself or ``base`` closed)."""
+    if os.stat(ROOT).st_mode & 0o005 != 0o005:
+        pytest.skip(f"user nobody cannot read the checkout {ROOT} (mode {os.stat(ROOT).st_mode & 0o777:o})")
+    if (outer := _closed_parent(base.parent)) is not None:
+        pytest.skip(f"{base} lies under {outer}, which user nobody cannot enter: point TMPDIR elsewhere")
+    masks = _masks(_needed_paths())
+    if not masks:
         return cmd
-    keep = real.relative_to(closed).parts[0]  # e.g. /root/.pyenv under /root
     held = base / "held"
-    held.mkdir()
-    script = ('mount --bind "$1/$2" "$3" && mount -t tmpfs -o mode=755,size=1m tmpfs "$1" && mkdir "$1/$2" && '
-              'mount --bind "$3" "$1/$2" && shift 3 && exec "$@"')
-    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh", str(closed), keep,
-            str(held), *cmd]
+    stage, restore = [], []
+    for closed, keeps in masks.items():  # outer first: an inner one is reachable once its outer one is back
+        q = shlex.quote(str(closed))
+        restore.append(f"mount -t tmpfs -o mode=755,size=1m tmpfs {q}")
+        for keep in sorted(keeps):
+            src = held / str(len(stage))
+            src.mkdir(parents=True)
+            stage.append(f"mount --bind {q}/{shlex.quote(keep)} {src}")
+            restore.append(f"mkdir {q}/{shlex.quote(keep)} && mount --bind {src} {q}/{shlex.quote(keep)}")
+    script = " && ".join([*stage, *restore, f"cd {shlex.quote(str(ROOT))}", 'exec "$@"'])
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh", *cmd]
+
+
+def _needed_paths() -> set[Path]:
+    """The directories the inner pytest reads: the checkout, the interpreter's (as named and as
+    resolved), its prefixes and the existing ``sys.path`` entries (directories, or a zip's folder)."""
+    found = {ROOT, Path(sys.executable).parent, Path(os.path.realpath(sys.executable)).parent,
+             Path(sys.prefix), Path(sys.base_prefix)}
+    for entry in sys.path:
+        p = Path(entry or ".").absolute()
+        if p.exists():
+            found.add(p if p.is_dir() else p.parent)
+    return {q for p in found for q in (p, Path(os.path.realpath(p)))}
+
+
+def _masks(paths: set[Path]) -> dict[Path, set[str]]:
+    """Closed directory (others lack +x) -> the names in it on the way to ``paths``, outer first."""
+    masks: dict[Path, set[str]] = {}
+    for path in paths:
+        for parent in reversed(path.parents[:-1]):  # not "/"
+            if not os.stat(parent).st_mode & 0o001:
+                masks.setdefault(parent, set()).add(path.relative_to(parent).parts[0])
+    return dict(sorted(masks.items(), key=lambda kv: len(kv[0].parts)))
+
+
+def _closed_parent(path: Path) -> Path | None:
+    """The outermost directory from ``/`` down to ``path`` that others may not enter, or None."""
+    return next((p for p in (*reversed(path.parents), path) if not os.stat(p).st_mode & 0o001), None)
