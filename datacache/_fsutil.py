@@ -45,7 +45,7 @@ def shared_loader() -> Any:
 
 
 def _env_endpoint() -> tuple[str | None, str]:
-    for var in ("AWS_ENDPOINT_URLS3", "AWS_ENDPOINT_URL"):
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
         if os.environ.get(var):
             return os.environ[var], var
     return None, ""

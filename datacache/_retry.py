@@ -279,7 +279,9 @@ def translate(exc: BaseException, kind: Kind, *, url: str, op: str,
     if kind == "not_found":
         code = error_code(exc)
         what = "the bucket does not exist" if code == "NoSuchBucket" else "no such object or prefix"
-        return NotFoundError(f"{op}: {what} ({cause})", url=url, hint=NOT_FOUND_HINT)
+        err = NotFoundError(f"{op}: {what} ({cause})", url=url, hint=NOT_FOUND_HINT)
+        err.code = code  # the store's own error code, for callers above the store (load_manifest)
+        return err
     if kind == "permission":
         what = "no credentials found" if _no_credentials(exc) else "access denied"
         return PermissionDeniedError(f"{op}: {what} ({cause})", url=url, hint=PERMISSION_HINT)

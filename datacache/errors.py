@@ -80,7 +80,10 @@ class UnreachableError(TransientStorageError):
 
 
 class NotFoundError(StorageError, FileNotFoundError):
-    """The bucket, prefix or object does not exist."""
+    """The bucket, prefix or object does not exist. ``code`` is the store's error code where it gave
+    one (``"NoSuchBucket"``), else None."""
+
+    code: str | None = None
 
 
 class PermissionDeniedError(StorageError, PermissionError):

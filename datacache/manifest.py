@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ._retry import error_code
 from .errors import DatacacheError, ManifestError
 from .hashing import ALGORITHM, hash_bytes
 
@@ -200,7 +199,7 @@ def load_manifest(store: Any) -> Manifest:
     try:
         size = store.size(MANIFEST_NAME)
     except DatacacheError as exc:
-        if isinstance(exc, FileNotFoundError) and error_code(exc) == "NoSuchBucket":
+        if isinstance(exc, FileNotFoundError) and getattr(exc, "code", None) == "NoSuchBucket":
             bucket = store.url.split("://", 1)[-1].split("/", 1)[0]
             raise type(exc)(f"the bucket {bucket!r} does not exist", url=url,
                             hint="Check the bucket name in the URL (and the endpoint: another store may "
