@@ -143,6 +143,7 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         if node_shuffle not in NODE_SHUFFLE:
             raise ValueError(f"node_shuffle={node_shuffle!r}: expected one of {', '.join(NODE_SHUFFLE)}")
         self.transform, self.batch_size, self.collate_fn = transform, batch_size, collate_fn
+        self._loader_batched = False  # batch_size set by datacache.DataLoader: len() stays the sample count
         self.prefetch = prefetch or PrefetchConfig()
         self.on_error = on_error
         self.dist = dist or detect()
@@ -230,15 +231,33 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         return [self.dp_rank]
 
     def __len__(self) -> int:
-        """Samples this rank reads per epoch; in batched mode its batches, exact for any number of
-        DataLoader workers (they get whole batches: the plan's step 3), so ``len(DataLoader(ds,
-        batch_size=None))`` is what comes."""
+        """Samples this rank reads per epoch; in the batched mode asked of the constructor
+        (``StreamingDataset(batch_size=B)``) its batches (``num_batches()``), so ``len(DataLoader(ds,
+        batch_size=None))`` is what comes. A ``datacache.DataLoader(ds, batch_size=B)`` over a
+        samples-mode dataset leaves ``len(ds)`` the sample count; ``len(loader)`` is its batches."""
+        return self.num_batches() if self.batch_size is not None and not self._loader_batched else self._samples()
+
+    def num_batches(self) -> int:
+        """Batches this rank yields per epoch in batched mode (samples without a ``batch_size``),
+        exact for any number of DataLoader workers (they get whole batches: the plan's step 3)."""
+        if self.batch_size is None:
+            return self._samples()
         spec = self._spec(1, 0, mixes=False)
-        order = None if self._mix is None else self._mix.epoch_order(spec)
         if self._mix is not None and self._mix.batching == "per_stream":  # batches end where streams change
-            return len(self._mix.batch_cuts(build_plan(self.counts, spec, order=order).samples, self.batch_size or 1))
-        n = len(build_plan(self.counts, spec, order=order, shards_only=True))
-        return n if self.batch_size is None else -(-n // self.batch_size)
+            order = self._mix.epoch_order(spec)
+            return len(self._mix.batch_cuts(build_plan(self.counts, spec, order=order).samples, self.batch_size))
+        return -(-self._samples(spec) // self.batch_size)
+
+    def _samples(self, spec: PlanSpec | None = None) -> int:
+        """Samples this rank reads per epoch (of the plan ``spec``, default this epoch's)."""
+        spec = spec or self._spec(1, 0, mixes=False)
+        order = None if self._mix is None else self._mix.epoch_order(spec)
+        return len(build_plan(self.counts, spec, order=order, shards_only=True))
+
+    def __getitem__(self, index: Any) -> Any:
+        """Refused: a ``StreamingDataset`` is iterated (its seeded plan orders the reads)."""
+        raise TypeError(f"datacache: StreamingDataset is iterable, not indexable (ds[{index!r}]): iterate it "
+                        "(for sample in ds, or a DataLoader), or open datacache.CachedDataset(url) for reads by index")
 
     def _check_loader(self, caller: FrameType | None) -> None:
         """Refuse a DataLoader that batches batched mode's batches again."""

@@ -120,6 +120,11 @@ class DataLoader(StatefulDataLoader):
         self._live = _Counted(it, rounds)
         return self._live
 
+    def __len__(self) -> int:
+        if self._torch is None:
+            return super().__len__()
+        return self.dataset.num_batches()  # len(dataset) stays its sample count
+
     def _stop_head(self) -> None:
         head, self._head = self._head, None
         if head is not None:
@@ -201,7 +206,7 @@ def _configure(ds: StreamingDataset, batch_size: int | None, collate_fn: Callabl
         raise ValueError(f"datacache.DataLoader: batch_size={batch_size}, but the dataset already yields batches of "
                          f"{ds.batch_size} (StreamingDataset(batch_size={ds.batch_size})): pass one of the two")
     if ds.batch_size is None and batch_size is not None:  # 1 too: torch's default yields batches of one
-        ds.batch_size = batch_size
+        ds.batch_size, ds._loader_batched = batch_size, True
     if collate_fn is not None and collate_fn is not tud.default_collate:
         if ds.batch_size is None:
             raise ValueError("datacache.DataLoader: collate_fn= needs a batch_size (batch_size=None yields samples one "
