@@ -170,6 +170,7 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         self._resume: ResumeState | None = None  # loaded, not yet iterated
         self._resume_base: ResumeState | None = None  # what the current iteration started from
         self._in_workers = shared_int()  # 1 while DataLoader workers iterate copies of this dataset
+        self._iterations = 0  # iter() calls in this process: the latest one is the live iteration
         self._consumer: Consumer | None = None
         self._collator: RingCollator | None = None
         self._worker = (0, 1)
@@ -269,6 +270,12 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
+        """A new iteration; it ends the one this process had going (whose next item raises)."""
+        self._iterations += 1
+        return self._iterate(self._iterations)
+
+    def _iterate(self, iteration: int) -> Iterator[Any]:
+        self._check_current(iteration)
         info = tud.get_worker_info()
         self._in_workers.fill_(int(info is not None))
         self._check_loader(sys._getframe().f_back)
@@ -297,7 +304,19 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         self._consumer = consumer
         self._resume_base = self._resume
         self._resume = None
-        yield from self._emit(consumer)
+        yield from self._emit(consumer, iteration)
+
+    def _check_current(self, iteration: int) -> None:
+        """Raise if ``iteration`` was ended by a newer ``iter()`` in this process."""
+        if iteration != self._iterations:
+            raise RuntimeError(
+                f"datacache: this iteration over {self._label()} was ended by a new iter() over the same "
+                "StreamingDataset in this process (one iteration at a time per dataset object): finish or break "
+                "out of the old loop before starting a new one, or open a second StreamingDataset to read twice")
+
+    def _label(self) -> str:
+        """The dataset's URL (a mix: its streams'), for messages."""
+        return self.source.label if isinstance(self.source, MixedSource) else self.store.url
 
     def _lead(self, spec: PlanSpec, order: Any, skip: int, parts: bool) -> tuple[list[LeadItem], list[LeadItem]]:
         """The other DataLoader workers' first reads, (before this one, after it), that this worker
@@ -318,12 +337,14 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         return ([s for s in firsts[:w] if s is not None and s != firsts[w]],
                 [s for s in firsts[w + 1:] if s is not None and s != firsts[w]])
 
-    def _emit(self, consumer: Consumer) -> Iterator[Any]:
+    def _emit(self, consumer: Consumer, iteration: int) -> Iterator[Any]:
         transform = self.transform
         self._delivered: int | None = None
         if self.batch_size is None:
             for sample in consumer:
                 yield transform(sample) if transform else sample
+                if iteration != self._iterations:
+                    self._check_current(iteration)
             self._flush_stats(consumer)
             return
         # Batched mode (datacache._batchloop). The default collation writes batches into a reusable
@@ -333,8 +354,13 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         def mark(position: int) -> None:  # what state_dict records: the position after the last batch out
             self._delivered = position
 
-        yield from batched(consumer, self._batches(consumer.plan, consumer.skip), ring or self.collate_fn,
-                           transform, mark)
+        batches = batched(consumer, self._batches(consumer.plan, consumer.skip), ring or self.collate_fn, transform, mark)
+        try:
+            for batch in batches:
+                yield batch
+                self._check_current(iteration)
+        finally:
+            batches.close()
         self._flush_stats(consumer)
 
     def _batches(self, plan: ConsumerPlan, skip: int) -> WorkerBatches:

@@ -65,3 +65,23 @@ def test_cached_dataset_takes_negative_indices_as_a_sequence(url: str, tmp_path:
     assert [int(ds[k]["i"]) for k in range(-10, 0)] == list(range(N - 10, N))  # planned reads, by negative index
     assert sum(1 for _ in ds) == N  # a for loop over it ends at the IndexError
     ds.close()
+
+
+# ---------------------------------------------------------------------- point 10: a second iter()
+@pytest.mark.parametrize("batch_size", [None, 16])
+def test_a_second_iter_ends_the_first_in_plain_words(url: str, cache: NodeCache, batch_size: int | None) -> None:
+    ds = StreamingDataset(url, cache=cache, batch_size=batch_size)
+    first = iter(ds)
+    next(first), next(first)
+    second = iter(ds)  # a notebook cell run again
+    got = ids([next(second)])
+    with pytest.raises(RuntimeError, match=r"ended by a new iter\(\) over the same StreamingDataset") as err:
+        next(first)
+    assert ds.store.url in str(err.value)
+    got += ids(second)
+    assert sorted(got) == list(range(N)), "the new iteration delivers its epoch whole"
+    third, fourth = iter(ds), iter(ds)  # created before it started: the older one still ends
+    assert sorted(ids(fourth)) == list(range(N))
+    with pytest.raises(RuntimeError, match=r"ended by a new iter\(\)"):
+        next(third)
+    ds.close()
