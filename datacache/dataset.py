@@ -50,6 +50,7 @@ from .storage import Store
 from ._worker import die_with_parent
 from ._dsutil import loader_batch, shared_int
 from ._dsresume import ResumeMixin
+from ._autoepoch import AutoEpochs, main_token, worker_token
 
 __all__ = ["StreamingDataset"]
 
@@ -166,8 +167,10 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
             assign_nodes(self.shard_bytes, self.num_nodes, self.seed, share_dir=self.cache.control_dir)
         self._epoch = shared_int()
         self.epoch = 0
-        self._epoch_explicit = False  # set_epoch was called (a DataLoader worker inherits this)
+        self._epochs = AutoEpochs()  # the epochs of iterations without set_epoch (datacache._autoepoch)
+        self._follow = False  # DataLoader workers forked now take the epoch the main process decided
         self._resume: ResumeState | None = None  # loaded, not yet iterated
+        self._resume_pid = os.getpid()  # the process that loaded it (a DataLoader worker inherits the main's)
         self._resume_base: ResumeState | None = None  # what the current iteration started from
         self._in_workers = shared_int()  # 1 while DataLoader workers iterate copies of this dataset
         self._iterations = 0  # iter() calls in this process: the latest one is the live iteration
@@ -185,12 +188,36 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
     def epoch(self, value: int) -> None:
         self._epoch.fill_(int(value))
 
+    @property
+    def _epoch_explicit(self) -> bool:
+        """``set_epoch`` was called (in any process of the rank: shared memory)."""
+        return self._epochs.explicit
+
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (reshuffles); call before iterating, as with DistributedSampler."""
+        """Select the epoch (reshuffles); call before iterating, as with DistributedSampler. Once it
+        is called the epochs are the caller's; never called, each new ``iter()`` reads the next
+        epoch (the first: 0, or a loaded state's; ``datacache._autoepoch``)."""
         if self._resume is not None and self._resume.epoch != epoch:
             self._resume = None
         self.epoch = int(epoch)
-        self._epoch_explicit = True
+        self._epochs.set_explicit()
+
+    def start_iteration(self) -> None:
+        """Decide, in the main process, the epoch of the iteration a loader's workers are about to
+        begin (``datacache.DataLoader``, before it plans their rounds and forks them): the workers
+        forked until ``resume_started`` take it as it is."""
+        self._begin_epoch(None)
+        self._follow = True
+
+    def _begin_epoch(self, info: Any) -> None:
+        """Set the epoch of the iteration this process begins (``info``: the DataLoader worker's, or
+        None): the caller's after ``set_epoch``, else the next (``datacache._autoepoch``)."""
+        if self._epoch_explicit or (info is not None and self._follow):
+            return
+        pending = self._resume.epoch if self._resume is not None else None
+        token = main_token() if info is None else worker_token(info.seed - info.id, self._iterations)
+        self.epoch = self._epochs.begin(token, 0 if info is None else 1 + info.id, self.epoch, fixed=pending,
+                                        inherited=self._resume_pid != os.getpid())
 
     def _spec(self, num_workers: int, worker_id: int, epoch: int | None = None, mixes: bool = True) -> PlanSpec:
         """The plan spec of worker ``worker_id`` of ``num_workers``; ``mixes=False`` leaves the node
@@ -270,8 +297,10 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
-        """A new iteration; it ends the one this process had going (whose next item raises)."""
+        """A new iteration, of the next epoch when ``set_epoch`` is never called; it ends the one
+        this process had going (whose next item raises)."""
         self._iterations += 1
+        self._begin_epoch(tud.get_worker_info())
         return self._iterate(self._iterations)
 
     def _iterate(self, iteration: int) -> Iterator[Any]:

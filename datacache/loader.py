@@ -102,6 +102,7 @@ class DataLoader(StatefulDataLoader):
         if self.num_workers == 0:  # the dataset, in this process, knows its own position
             return iter(self._torch)
         self._stop_head()
+        self.dataset.start_iteration()  # its epoch, decided here for the workers
         rounds = self.dataset.worker_rounds(self.num_workers)
         # Planned before the fork, so that the workers inherit the plans (a part mix of 200,000
         # samples: about 0.1 s a process) and the head start's reads lead theirs; its threads

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import datacache
 from datacache import NodeCache, StreamingDataset, write_dataset
@@ -85,3 +86,99 @@ def test_a_second_iter_ends_the_first_in_plain_words(url: str, cache: NodeCache,
     with pytest.raises(RuntimeError, match=r"ended by a new iter\(\)"):
         next(third)
     ds.close()
+
+
+# ---------------------------------------------------------------------- point 11: a forgotten set_epoch
+LOADERS = {
+    "main": lambda ds: ds,
+    "torch-workers": lambda ds: torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2),
+    "torch-persistent": lambda ds: torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2,
+                                                               persistent_workers=True),
+    "datacache-workers": lambda ds: datacache.DataLoader(ds, batch_size=None, num_workers=2),
+    "datacache-persistent": lambda ds: datacache.DataLoader(ds, batch_size=None, num_workers=2,
+                                                            persistent_workers=True),
+    "torchdata-workers": lambda ds: StatefulDataLoader(ds, batch_size=None, num_workers=2),
+}
+
+
+def epochs_of(url: str, cache: NodeCache, how: str, explicit: bool, n: int = 3) -> list[list[int]]:
+    """``n`` epochs of a batched dataset read through ``LOADERS[how]``, with or without set_epoch."""
+    ds = StreamingDataset(url, cache=cache, seed=5, batch_size=20)
+    loader = LOADERS[how](ds)
+    out = []
+    for e in range(n):
+        if explicit:
+            ds.set_epoch(e)
+        out.append(ids(loader))
+        assert ds.epoch == e
+    del loader
+    ds.close()
+    return out
+
+
+@pytest.mark.parametrize("how", list(LOADERS))
+def test_without_set_epoch_each_iteration_reads_the_next_epoch(url: str, cache: NodeCache, how: str) -> None:
+    auto = epochs_of(url, cache, how, explicit=False)
+    assert all(sorted(e) == list(range(N)) for e in auto), "each epoch reads every sample once"
+    assert auto[0] != auto[1] != auto[2] != auto[0], "three epochs in the same order"
+    assert auto == epochs_of(url, cache, how, explicit=True), "the epochs set_epoch(0), (1), (2) would read"
+
+
+@pytest.mark.parametrize("saved, resumed", [("main", "main"), ("datacache-workers", "datacache-workers"),
+                                             ("torchdata-workers", "torchdata-workers"), ("main", "torch-workers"),
+                                             ("main", "torch-persistent")])
+def test_automatic_epochs_resume_exactly_and_go_on(url: str, cache: NodeCache, saved: str, resumed: str) -> None:
+    """Epoch 0 read, 4 batches of epoch 1, a checkpoint; the restarted job (no set_epoch either)
+    finishes epoch 1 exactly (the same order in the same layout; exactly once into another
+    layout: the state loaded into the dataset, which torch's workers inherit), then reads epoch 2."""
+    def loader_of(ds: StreamingDataset, how: str) -> Any:
+        return datacache.DataLoader(ds, batch_size=None) if how == "main" else LOADERS[how](ds)
+
+    ref = epochs_of(url, cache, saved, explicit=True)
+    ds = StreamingDataset(url, cache=cache, seed=5, batch_size=20)
+    loader = loader_of(ds, saved)
+    assert ids(loader) == ref[0]
+    it = iter(loader)
+    head = ids([next(it) for _ in range(4)])
+    state = loader.state_dict()
+    del it, loader
+    ds.close()
+    ds = StreamingDataset(url, cache=cache, seed=5, batch_size=20)  # the restarted job
+    loader = loader_of(ds, resumed)
+    (loader if saved == resumed else ds).load_state_dict(state)
+    rest = ids(loader)
+    assert ds.epoch == 1
+    if saved == resumed:
+        assert head + rest == ref[1], "the resumed epoch continues exactly"
+    else:
+        assert sorted(head + rest) == list(range(N)), "the resumed epoch reads every sample once"
+    assert ids(loader) == epochs_of(url, cache, resumed, explicit=True)[2] and ds.epoch == 2, "then epoch 2"
+    del loader
+    ds.close()
+
+
+def test_set_epoch_keeps_full_control(url: str, cache: NodeCache) -> None:
+    ds = StreamingDataset(url, cache=cache, seed=5)
+    first = ids(ds)
+    ds.set_epoch(7)
+    seven = ids(ds)
+    assert seven != first and ids(ds) == seven and ds.epoch == 7, "an explicit epoch stays until set_epoch again"
+    ds.close()
+
+
+def test_the_workers_of_one_iteration_decide_one_epoch_in_any_interleaving() -> None:
+    """``_autoepoch.AutoEpochs``: worker 1 did not begin the last iteration (epoch 3: the loop broke
+    off at once); in the next, whichever worker begins first, both read epoch 4."""
+    from datacache._autoepoch import AutoEpochs
+
+    for first, second in ((1, 2), (2, 1)):
+        epochs = AutoEpochs()
+        epochs.begin(11, 1, base=0), epochs.begin(11, 2, base=0)  # epoch 0 (the base), both workers
+        for e, token in ((1, 12), (2, 13), (3, 14)):
+            assert epochs.begin(token, 1, base=0) == e  # worker 0 (slot 1) alone
+        assert [epochs.begin(15, slot, base=0) for slot in (first, second)] == [4, 4]
+        assert epochs.begin(16, 0, base=0) == 5  # the main process next
+        epochs.clear()  # a state was loaded
+        assert epochs.begin(17, 1, base=0, fixed=2, inherited=True) == 2
+        assert epochs.begin(17, 2, base=0, fixed=2, inherited=True) == 2
+        assert epochs.begin(18, 1, base=0, fixed=2, inherited=True) == 3, "a later iteration: the state was used"
