@@ -51,6 +51,7 @@ from ._worker import die_with_parent
 from ._dsutil import loader_batch, shared_int
 from ._dsresume import ResumeMixin
 from ._autoepoch import AutoEpochs, main_token, worker_token
+from ._skipmarks import SkipMarks
 
 __all__ = ["StreamingDataset"]
 
@@ -103,8 +104,10 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
       retries (``PrefetchConfig``, ``TransferConfig``, ``RetryConfig``).
     - ``reader_options``: keyword arguments for the format's reader.
     - ``on_error="skip"`` skips a shard that cannot be read (its object missing or not matching
-      the manifest, or unparsable by the reader) instead of raising: one warning per shard, counted
-      in ``stats()["skipped_shards"]``; the other shards' samples are delivered. Default "raise".
+      the manifest, or unparsable by the reader) instead of raising: one warning per shard and
+      epoch on the node (whichever of its consumers, ranks and DataLoader workers, skips it first),
+      counted once in ``stats()["skipped_shards"]``; the other shards' samples are delivered.
+      Default "raise".
     - ``dist``: where this process sits (rank, world and node sizes); default: detected from
       ``torch.distributed`` or the launcher's variables (``datacache.dist.detect``).
     - ``placement``: "node" (default) keeps each shard on one node for the whole run when the job
@@ -147,6 +150,7 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         self._loader_batched = False  # batch_size set by datacache.DataLoader: len() stays the sample count
         self.prefetch = prefetch or PrefetchConfig()
         self.on_error = on_error
+        self._skips = SkipMarks(self.cache.control_dir) if on_error == "skip" else None  # one report per shard and epoch
         self.dist = dist or detect()
         if (dp_rank is None) != (dp_size is None):
             raise ValueError("pass both dp_rank and dp_size, or neither")
@@ -329,6 +333,7 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         prefetch = cap_lookahead(self.prefetch, self.cache, self.manifest, len(self._node_dp_ranks()) * num_workers)
         consumer = Consumer(source=self.source, plan=plan, epoch=self.epoch, skip=skip, prefetch=prefetch,
                             schedule=schedule, on_error=self.on_error, lead=self._lead(spec, order, skip, plan.parts),
+                            marks=self._skips,
                             name=f"datacache-prefetch-r{self.dp_rank}w{worker_id}")
         self._consumer = consumer
         self._resume_base = self._resume

@@ -182,3 +182,49 @@ def test_the_workers_of_one_iteration_decide_one_epoch_in_any_interleaving() -> 
         assert epochs.begin(17, 1, base=0, fixed=2, inherited=True) == 2
         assert epochs.begin(17, 2, base=0, fixed=2, inherited=True) == 2
         assert epochs.begin(18, 1, base=0, fixed=2, inherited=True) == 3, "a later iteration: the state was used"
+
+
+# ---------------------------------------------------------------------- point 12: on_error="skip" once
+def _warnings_to_stderr(_: int) -> None:
+    """A DataLoader worker's warnings to its stderr, each (forked, it inherits pytest's recording)."""
+    import sys
+    import warnings
+
+    warnings.simplefilter("always")
+    warnings.showwarning = lambda message, category, *_, **__: print(f"{category.__name__}: {message}",
+                                                                     file=sys.__stderr__, flush=True)
+
+
+@pytest.mark.timeout(180)
+def test_a_skipped_shard_warns_and_counts_once_per_epoch_for_all_workers(tmp_path: Any, cache: NodeCache,
+                                                                         capfd: pytest.CaptureFixture[str]) -> None:
+    """A part-mixed cold epoch: both DataLoader workers read parts of every shard, the missing one
+    too. One warning and one count per epoch on the node; a new job (a new dataset object) warns
+    again for its epoch 0."""
+    import os
+
+    n = 1200
+    u = f"file://{tmp_path}/ds"
+    m = write_dataset(({"i": i, "x": np.full(64, i, dtype=np.int32)} for i in range(n)), u,
+                      shard_bytes=8000, progress=False, writer_options={"block_bytes": 2048})
+    os.unlink(os.path.join(tmp_path, "ds", m.shards[3].name))
+    lo, hi = m.offsets[3], m.offsets[4]
+    others = [i for i in range(n) if not lo <= i < hi]
+
+    def epoch(ds: StreamingDataset) -> list[int]:
+        return sorted(ids(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2,
+                                                      worker_init_fn=_warnings_to_stderr)))
+
+    ds = StreamingDataset(u, cache=cache, seed=1, on_error="skip", batch_size=16)
+    capfd.readouterr()
+    for e in range(2):
+        ds.set_epoch(e)
+        assert epoch(ds) == others
+        err = capfd.readouterr().err
+        assert err.count("skipping shard") == 1, f"epoch {e}: {err.count('skipping shard')} warnings:\n{err}"
+        assert ds.stats()["skipped_shards"] == e + 1
+    again = StreamingDataset(u, cache=cache, seed=1, on_error="skip", batch_size=16)
+    assert epoch(again) == others and capfd.readouterr().err.count("skipping shard") == 1, "a new job warns again"
+    assert ds.stats()["skipped_shards"] == 3
+    ds.close()
+    again.close()
