@@ -72,6 +72,7 @@ class Consumer:
             else list(range(n_runs))
         self.run_times = plan.run_times(epoch)  # set before the stages start: their threads read it
         self.skipped_shards = 0  # set before the stages start: the decode thread counts into it
+        self.reported_skips = 0  # of them, those this consumer reported (``marks``)
         self._name = name
         self._skipped: set[int] = set()
         self._first = _first_chunk(plan, self.needed)
@@ -261,6 +262,7 @@ class Consumer:
         if self.marks is not None and not self.marks.first(self.manifest.cache_key(shard), self.epoch):
             log.info("datacache: skipping shard (reported by another consumer on this node): %s", err)
             return
+        self.reported_skips += 1
         self.source.cache.count(skipped_shards=1)
         warnings.warn(f"datacache: skipping shard: {err}", stacklevel=3)
 

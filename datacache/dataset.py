@@ -52,6 +52,7 @@ from ._dsutil import loader_batch, shared_int
 from ._dsresume import ResumeMixin
 from ._autoepoch import AutoEpochs, main_token, worker_token
 from ._skipmarks import SkipMarks
+from ._dsstats import STORE_FIELDS, OwnStats
 
 __all__ = ["StreamingDataset"]
 
@@ -151,6 +152,8 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         self.prefetch = prefetch or PrefetchConfig()
         self.on_error = on_error
         self._skips = SkipMarks(self.cache.control_dir) if on_error == "skip" else None  # one report per shard and epoch
+        self._own = OwnStats()  # stats()["dataset"]: this dataset's figures, over its DataLoader workers too
+        self._flushed: Consumer | None = None  # the consumer whose figures were added to them last
         self.dist = dist or detect()
         if (dp_rank is None) != (dp_size is None):
             raise ValueError("pass both dp_rank and dp_size, or neither")
@@ -412,38 +415,59 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         return ring
 
     def _flush_stats(self, consumer: Consumer) -> None:
+        """Add the epoch's figures to the node's counters and to the dataset's own (``stats()``)."""
         p = consumer.decoder
+        store = self._unflushed_store(mark=True)
+        info = tud.get_worker_info()
+        self._own.add(0 if info is None else 1 + info.id, samples=consumer.consumed - consumer.skip,
+                      wait_seconds=p.wait_seconds, skipped_shards=consumer.reported_skips, **store)
+        self._flushed = consumer
         self.cache.count(wait_seconds=p.wait_seconds, waits=p.waits, samples=consumer.consumed,
                          padded=consumer.plan.padded if consumer.skip == 0 else 0,
-                         storage_retries=self._unflushed_retries(mark=True))
+                         storage_retries=store["retries"])
         p.wait_seconds, p.waits = 0.0, 0
         self.cache.flush_stats()
 
-    def _unflushed_retries(self, mark: bool = False) -> int:
-        """Storage retries of this process not yet in the node-wide ``storage_retries`` counter (a
-        forked DataLoader worker's store counts from zero); with ``mark`` they count as added now."""
+    def _unflushed_store(self, mark: bool = False) -> dict[str, int]:
+        """This process's store counters (``_dsstats.STORE_FIELDS``: bytes read, requests, retries)
+        not yet added to the node's ``storage_retries`` and the dataset's own figures (a forked
+        DataLoader worker's store counts from zero); with ``mark`` they count as added now."""
         stores = self.source.stores() if self._mix is not None else [self.store]  # type: ignore[union-attr]
-        total = sum(st.stats()["retries"] for st in stores)
-        pid, done = getattr(self, "_retries_flushed", (-1, 0))
+        totals = [st.stats() for st in stores]
+        now = {ours: sum(t[theirs] for t in totals) for ours, theirs in STORE_FIELDS.items()}
+        pid, done = getattr(self, "_store_flushed", (-1, {}))
         if mark:
-            self._retries_flushed = (os.getpid(), total)
-        return total - (done if pid == os.getpid() else 0)
+            self._store_flushed = (os.getpid(), now)
+        return {k: v - (done.get(k, 0) if pid == os.getpid() else 0) for k, v in now.items()}
 
     # ------------------------------------------------------------------ stats / lifecycle
     def stats(self) -> dict[str, Any]:
-        """Node-wide cache counters plus this process's consumer: wait seconds, prefetch depth.
+        """First, under ``"dataset"``, this dataset's own figures (``datacache._dsstats``): its
+        ``epoch``, and since it was made, over this process and its DataLoader workers (theirs as of
+        their last finished epoch): ``samples`` delivered, ``remote_bytes`` read from the store and
+        its ``requests`` and ``retries``, ``skipped_shards``, ``wait_seconds`` its consumers waited
+        for data. Every other key is node-wide: the node cache's counters, summed over every
+        process and dataset sharing the cache since it was created or reset, plus this process's
+        consumer: wait seconds, prefetch depth.
         ``storage_retries``: retried storage requests (every consumer's finished epochs on the node,
         plus this process's so far). ``storage_throttled``, ``storage_throttle_seconds``,
         ``storage_concurrency``: the node's throttling answers from this store prefix, seconds spent
         throttled, and its congestion window now (``datacache.congestion``). ``stash_bytes``: the
         samples this process's consumer holds read ahead for its later runs in a part-mixed cold
         epoch (``datacache._stash``; 0 otherwise)."""
-        out = self.cache.stats()
-        out["storage_retries"] = int(out.get("storage_retries", 0)) + self._unflushed_retries()
+        store = self._unflushed_store()
+        c = self._consumer
+        live: dict[str, float] = dict(store)
+        if c is not None:
+            live["wait_seconds"] = c.decoder.wait_seconds  # reset when added
+            if c is not self._flushed:
+                live.update(samples=c.consumed - c.skip, skipped_shards=c.reported_skips)
+        out: dict[str, Any] = {"dataset": {"epoch": self.epoch, **self._own.totals(**live)}}
+        out.update(self.cache.stats())
+        out["storage_retries"] = int(out.get("storage_retries", 0)) + store["retries"]
         cong = self.store.congestion.stats()
         out.update(storage_throttled=cong["throttled"], storage_throttle_seconds=cong["throttle_seconds"],
                    storage_concurrency=cong["concurrency"])
-        c = self._consumer
         if c is not None:
             out["consumer_wait_seconds"] = c.decoder.wait_seconds
             out["prefetch_depth"] = c.prefetcher.depth
@@ -463,7 +487,7 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_consumer"] = state["_collator"] = None
+        state["_consumer"] = state["_collator"] = state["_flushed"] = None
         return state
 
     def __del__(self) -> None:

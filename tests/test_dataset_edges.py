@@ -228,3 +228,32 @@ def test_a_skipped_shard_warns_and_counts_once_per_epoch_for_all_workers(tmp_pat
     assert ds.stats()["skipped_shards"] == 3
     ds.close()
     again.close()
+
+
+# ---------------------------------------------------------------------- point 13: the dataset's own stats
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stats_give_the_datasets_own_figures_first(url: str, tmp_path: Any, cache: NodeCache, workers: int) -> None:
+    """Two datasets on one node cache: each one's ``stats()["dataset"]`` holds its own reads only
+    (its shards and its manifest, whatever its DataLoader workers did); the rest is node-wide."""
+    import os
+
+    other = f"file://{tmp_path}/other"
+    write_dataset(({"i": i, "x": np.full(4, i, np.int32)} for i in range(100)), other, shard_bytes=2000,
+                  progress=False)
+
+    def read(u: str) -> tuple[StreamingDataset, int]:
+        ds = StreamingDataset(u, cache=cache, node_shuffle="never", batch_size=10)
+        assert len(ids(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers))) == ds.manifest.num_samples
+        return ds, ds.manifest.total_bytes + os.path.getsize(u.removeprefix("file://") + "/manifest.json")
+
+    a, a_bytes = read(url)
+    b, b_bytes = read(other)
+    st = a.stats()
+    assert next(iter(st)) == "dataset", "the dataset's own figures come first"
+    own = st["dataset"]
+    assert own["samples"] == N and own["remote_bytes"] == a_bytes and own["epoch"] == 0
+    assert own["skipped_shards"] == 0 and own["requests"] >= len(a.manifest.shards) and own["wait_seconds"] >= 0
+    assert st["samples"] == N + 100 and st["remote_bytes"] == a.manifest.total_bytes + b.manifest.total_bytes
+    assert b.stats()["dataset"]["samples"] == 100 and b.stats()["dataset"]["remote_bytes"] == b_bytes
+    a.close()
+    b.close()
