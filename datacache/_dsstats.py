@@ -18,7 +18,7 @@ import torch
 
 from ._dsutil import shared_int
 
-__all__ = ["OwnStats", "STORE_FIELDS"]
+__all__ = ["STORE_FIELDS", "OwnStats"]
 
 SLOTS = 64
 FIELDS = ("samples", "remote_bytes", "requests", "retries", "skipped_shards", "wait_us")
