@@ -33,6 +33,7 @@ from .plan import ConsumerPlan
 from .prefetch import Prefetcher
 from .shards import PartHandle, ShardSource
 from ._headstart import Lead, LeadItem
+from ._skipmarks import SkipMarks
 from ._stash import Stash, read_plan
 from ._worker import parent_gone
 
@@ -46,7 +47,7 @@ class Consumer:
 
     def __init__(self, *, source: ShardSource, plan: ConsumerPlan, epoch: int, skip: int, prefetch: PrefetchConfig,
                  schedule: Schedule | None, on_error: str, name: str,
-                 lead: tuple[Sequence[LeadItem], Sequence[LeadItem]] = ((), ())) -> None:
+                 lead: tuple[Sequence[LeadItem], Sequence[LeadItem]] = ((), ()), marks: SkipMarks | None = None) -> None:
         """``source``: the dataset through the node cache; ``plan``: this consumer's reads in
         ``epoch``; ``skip``: plan positions already read (a resume); ``prefetch``: the fetch stage's
         config; ``schedule``: the node's schedule in force (``shards.tell_plan``), advanced as runs
@@ -56,11 +57,13 @@ class Consumer:
         ((shard, rows)) of their first chunks: this consumer gets ``before`` into the cache ahead
         of its own first step, and ``after`` ahead of its lookahead (``_headstart.Lead``: whole
         shards one at a time, runs on every thread that waits), so the workers' first reads
-        arrive one after another, each with the link to itself, in the order the loader needs them."""
+        arrive one after another, each with the link to itself, in the order the loader needs them.
+        ``marks``: the node's record of the shards skipped this run (``datacache._skipmarks``), so
+        that only the first consumer to skip a shard in an epoch counts and warns; None: this one does."""
         self.source, self.plan = source, plan
         self.manifest = source.manifest
         self.epoch, self.skip = epoch, skip
-        self.on_error = on_error
+        self.on_error, self.marks = on_error, marks
         self.schedule = schedule
         self._stop = threading.Event()  # set by close(): transfers in flight are abandoned
         n_runs = len(plan.runs)
@@ -69,6 +72,7 @@ class Consumer:
             else list(range(n_runs))
         self.run_times = plan.run_times(epoch)  # set before the stages start: their threads read it
         self.skipped_shards = 0  # set before the stages start: the decode thread counts into it
+        self.reported_skips = 0  # of them, those this consumer reported (``marks``)
         self._name = name
         self._skipped: set[int] = set()
         self._first = _first_chunk(plan, self.needed)
@@ -249,11 +253,16 @@ class Consumer:
         return got
 
     def _skip(self, shard: int, err: BaseException) -> None:
-        """on_error="skip": count the shard (``stats()["skipped_shards"]``) and warn, once per shard."""
+        """on_error="skip": count the shard (``stats()["skipped_shards"]``) and warn, once per shard
+        and epoch on the node (``marks``; the other consumers that skip it log it at INFO)."""
         if shard in self._skipped:
             return
         self._skipped.add(shard)
         self.skipped_shards += 1
+        if self.marks is not None and not self.marks.first(self.manifest.cache_key(shard), self.epoch):
+            log.info("datacache: skipping shard (reported by another consumer on this node): %s", err)
+            return
+        self.reported_skips += 1
         self.source.cache.count(skipped_shards=1)
         warnings.warn(f"datacache: skipping shard: {err}", stacklevel=3)
 

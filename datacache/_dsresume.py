@@ -9,6 +9,7 @@ Thread safety: as ``StreamingDataset``'s (one iterating thread per process).
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch.utils.data as tud
@@ -144,8 +145,10 @@ class ResumeMixin:
         return build_plan(self.counts, spec, order=order, shards_only=shards_only, head=head), skip
 
     def resume_started(self) -> None:
-        """A loader's workers took the loaded state (``worker_rounds``): it is no longer pending."""
+        """A loader's workers took the loaded state (``worker_rounds``) and the epoch of
+        ``start_iteration``: the state is no longer pending, workers forked later decide their own."""
         self._resume_base, self._resume = self._resume, None
+        self._follow = False
 
     def load_state_dict(self, state: Any) -> None:
         """Resume from ``state`` at the next ``__iter__`` (possibly with another world size or
@@ -166,5 +169,7 @@ class ResumeMixin:
         if info is not None:  # torchdata gave this worker its own state: refuse one it cannot use
             st.check_layout(self.dp_size, info.num_workers, self.batch_size or 1, self.num_nodes)
         self.epoch = st.epoch
-        self._resume = st
+        self._resume, self._resume_pid = st, os.getpid()
+        if info is None:
+            self._epochs.clear()  # without set_epoch, the iteration after this one reads st.epoch + 1
 

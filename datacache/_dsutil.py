@@ -8,10 +8,11 @@ import torch
 __all__ = ["shared_int", "loader_batch"]
 
 
-def shared_int() -> torch.Tensor:
-    """A 0-d int64 tensor in shared memory: DataLoader workers (fork or spawn) share it with the
-    main process, so a value set there later is seen by persistent workers."""
-    t = torch.zeros((), dtype=torch.int64)
+def shared_int(size: int | None = None) -> torch.Tensor:
+    """A 0-d int64 tensor (``size``: a vector of that many) in shared memory: DataLoader workers
+    (fork or spawn) share it with the main process, so a value set there later is seen by
+    persistent workers."""
+    t = torch.zeros(() if size is None else (size,), dtype=torch.int64)
     try:
         return t.share_memory_()
     except (RuntimeError, OSError):  # no shared memory: persistent workers will not see set_epoch

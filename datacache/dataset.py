@@ -50,6 +50,9 @@ from .storage import Store
 from ._worker import die_with_parent
 from ._dsutil import loader_batch, shared_int
 from ._dsresume import ResumeMixin
+from ._autoepoch import AutoEpochs, main_token, worker_token
+from ._skipmarks import SkipMarks
+from ._dsstats import STORE_FIELDS, OwnStats
 
 __all__ = ["StreamingDataset"]
 
@@ -102,8 +105,10 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
       retries (``PrefetchConfig``, ``TransferConfig``, ``RetryConfig``).
     - ``reader_options``: keyword arguments for the format's reader.
     - ``on_error="skip"`` skips a shard that cannot be read (its object missing or not matching
-      the manifest, or unparsable by the reader) instead of raising: one warning per shard, counted
-      in ``stats()["skipped_shards"]``; the other shards' samples are delivered. Default "raise".
+      the manifest, or unparsable by the reader) instead of raising: one warning per shard and
+      epoch on the node (whichever of its consumers, ranks and DataLoader workers, skips it first),
+      counted once in ``stats()["skipped_shards"]``; the other shards' samples are delivered.
+      Default "raise".
     - ``dist``: where this process sits (rank, world and node sizes); default: detected from
       ``torch.distributed`` or the launcher's variables (``datacache.dist.detect``).
     - ``placement``: "node" (default) keeps each shard on one node for the whole run when the job
@@ -143,8 +148,12 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         if node_shuffle not in NODE_SHUFFLE:
             raise ValueError(f"node_shuffle={node_shuffle!r}: expected one of {', '.join(NODE_SHUFFLE)}")
         self.transform, self.batch_size, self.collate_fn = transform, batch_size, collate_fn
+        self._loader_batched = False  # batch_size set by datacache.DataLoader: len() stays the sample count
         self.prefetch = prefetch or PrefetchConfig()
         self.on_error = on_error
+        self._skips = SkipMarks(self.cache.control_dir) if on_error == "skip" else None  # one report per shard and epoch
+        self._own = OwnStats()  # stats()["dataset"]: this dataset's figures, over its DataLoader workers too
+        self._flushed: Consumer | None = None  # the consumer whose figures were added to them last
         self.dist = dist or detect()
         if (dp_rank is None) != (dp_size is None):
             raise ValueError("pass both dp_rank and dp_size, or neither")
@@ -165,10 +174,13 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
             assign_nodes(self.shard_bytes, self.num_nodes, self.seed, share_dir=self.cache.control_dir)
         self._epoch = shared_int()
         self.epoch = 0
-        self._epoch_explicit = False  # set_epoch was called (a DataLoader worker inherits this)
+        self._epochs = AutoEpochs()  # the epochs of iterations without set_epoch (datacache._autoepoch)
+        self._follow = False  # DataLoader workers forked now take the epoch the main process decided
         self._resume: ResumeState | None = None  # loaded, not yet iterated
+        self._resume_pid = os.getpid()  # the process that loaded it (a DataLoader worker inherits the main's)
         self._resume_base: ResumeState | None = None  # what the current iteration started from
         self._in_workers = shared_int()  # 1 while DataLoader workers iterate copies of this dataset
+        self._iterations = 0  # iter() calls in this process: the latest one is the live iteration
         self._consumer: Consumer | None = None
         self._collator: RingCollator | None = None
         self._worker = (0, 1)
@@ -183,12 +195,36 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
     def epoch(self, value: int) -> None:
         self._epoch.fill_(int(value))
 
+    @property
+    def _epoch_explicit(self) -> bool:
+        """``set_epoch`` was called (in any process of the rank: shared memory)."""
+        return self._epochs.explicit
+
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (reshuffles); call before iterating, as with DistributedSampler."""
+        """Select the epoch (reshuffles); call before iterating, as with DistributedSampler. Once it
+        is called the epochs are the caller's; never called, each new ``iter()`` reads the next
+        epoch (the first: 0, or a loaded state's; ``datacache._autoepoch``)."""
         if self._resume is not None and self._resume.epoch != epoch:
             self._resume = None
         self.epoch = int(epoch)
-        self._epoch_explicit = True
+        self._epochs.set_explicit()
+
+    def start_iteration(self) -> None:
+        """Decide, in the main process, the epoch of the iteration a loader's workers are about to
+        begin (``datacache.DataLoader``, before it plans their rounds and forks them): the workers
+        forked until ``resume_started`` take it as it is."""
+        self._begin_epoch(None)
+        self._follow = True
+
+    def _begin_epoch(self, info: Any) -> None:
+        """Set the epoch of the iteration this process begins (``info``: the DataLoader worker's, or
+        None): the caller's after ``set_epoch``, else the next (``datacache._autoepoch``)."""
+        if self._epoch_explicit or (info is not None and self._follow):
+            return
+        pending = self._resume.epoch if self._resume is not None else None
+        token = main_token() if info is None else worker_token(info.seed - info.id, self._iterations)
+        self.epoch = self._epochs.begin(token, 0 if info is None else 1 + info.id, self.epoch, fixed=pending,
+                                        inherited=self._resume_pid != os.getpid())
 
     def _spec(self, num_workers: int, worker_id: int, epoch: int | None = None, mixes: bool = True) -> PlanSpec:
         """The plan spec of worker ``worker_id`` of ``num_workers``; ``mixes=False`` leaves the node
@@ -230,15 +266,33 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         return [self.dp_rank]
 
     def __len__(self) -> int:
-        """Samples this rank reads per epoch; in batched mode its batches, exact for any number of
-        DataLoader workers (they get whole batches: the plan's step 3), so ``len(DataLoader(ds,
-        batch_size=None))`` is what comes."""
+        """Samples this rank reads per epoch; in the batched mode asked of the constructor
+        (``StreamingDataset(batch_size=B)``) its batches (``num_batches()``), so ``len(DataLoader(ds,
+        batch_size=None))`` is what comes. A ``datacache.DataLoader(ds, batch_size=B)`` over a
+        samples-mode dataset leaves ``len(ds)`` the sample count; ``len(loader)`` is its batches."""
+        return self.num_batches() if self.batch_size is not None and not self._loader_batched else self._samples()
+
+    def num_batches(self) -> int:
+        """Batches this rank yields per epoch in batched mode (samples without a ``batch_size``),
+        exact for any number of DataLoader workers (they get whole batches: the plan's step 3)."""
+        if self.batch_size is None:
+            return self._samples()
         spec = self._spec(1, 0, mixes=False)
-        order = None if self._mix is None else self._mix.epoch_order(spec)
         if self._mix is not None and self._mix.batching == "per_stream":  # batches end where streams change
-            return len(self._mix.batch_cuts(build_plan(self.counts, spec, order=order).samples, self.batch_size or 1))
-        n = len(build_plan(self.counts, spec, order=order, shards_only=True))
-        return n if self.batch_size is None else -(-n // self.batch_size)
+            order = self._mix.epoch_order(spec)
+            return len(self._mix.batch_cuts(build_plan(self.counts, spec, order=order).samples, self.batch_size))
+        return -(-self._samples(spec) // self.batch_size)
+
+    def _samples(self, spec: PlanSpec | None = None) -> int:
+        """Samples this rank reads per epoch (of the plan ``spec``, default this epoch's)."""
+        spec = spec or self._spec(1, 0, mixes=False)
+        order = None if self._mix is None else self._mix.epoch_order(spec)
+        return len(build_plan(self.counts, spec, order=order, shards_only=True))
+
+    def __getitem__(self, index: Any) -> Any:
+        """Refused: a ``StreamingDataset`` is iterated (its seeded plan orders the reads)."""
+        raise TypeError(f"datacache: StreamingDataset is iterable, not indexable (ds[{index!r}]): iterate it "
+                        "(for sample in ds, or a DataLoader), or open datacache.CachedDataset(url) for reads by index")
 
     def _check_loader(self, caller: FrameType | None) -> None:
         """Refuse a DataLoader that batches batched mode's batches again."""
@@ -250,6 +304,14 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
+        """A new iteration, of the next epoch when ``set_epoch`` is never called; it ends the one
+        this process had going (whose next item raises)."""
+        self._iterations += 1
+        self._begin_epoch(tud.get_worker_info())
+        return self._iterate(self._iterations)
+
+    def _iterate(self, iteration: int) -> Iterator[Any]:
+        self._check_current(iteration)
         info = tud.get_worker_info()
         self._in_workers.fill_(int(info is not None))
         self._check_loader(sys._getframe().f_back)
@@ -274,11 +336,24 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         prefetch = cap_lookahead(self.prefetch, self.cache, self.manifest, len(self._node_dp_ranks()) * num_workers)
         consumer = Consumer(source=self.source, plan=plan, epoch=self.epoch, skip=skip, prefetch=prefetch,
                             schedule=schedule, on_error=self.on_error, lead=self._lead(spec, order, skip, plan.parts),
+                            marks=self._skips,
                             name=f"datacache-prefetch-r{self.dp_rank}w{worker_id}")
         self._consumer = consumer
         self._resume_base = self._resume
         self._resume = None
-        yield from self._emit(consumer)
+        yield from self._emit(consumer, iteration)
+
+    def _check_current(self, iteration: int) -> None:
+        """Raise if ``iteration`` was ended by a newer ``iter()`` in this process."""
+        if iteration != self._iterations:
+            raise RuntimeError(
+                f"datacache: this iteration over {self._label()} was ended by a new iter() over the same "
+                "StreamingDataset in this process (one iteration at a time per dataset object): finish or break "
+                "out of the old loop before starting a new one, or open a second StreamingDataset to read twice")
+
+    def _label(self) -> str:
+        """The dataset's URL (a mix: its streams'), for messages."""
+        return self.source.label if isinstance(self.source, MixedSource) else self.store.url
 
     def _lead(self, spec: PlanSpec, order: Any, skip: int, parts: bool) -> tuple[list[LeadItem], list[LeadItem]]:
         """The other DataLoader workers' first reads, (before this one, after it), that this worker
@@ -299,12 +374,14 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         return ([s for s in firsts[:w] if s is not None and s != firsts[w]],
                 [s for s in firsts[w + 1:] if s is not None and s != firsts[w]])
 
-    def _emit(self, consumer: Consumer) -> Iterator[Any]:
+    def _emit(self, consumer: Consumer, iteration: int) -> Iterator[Any]:
         transform = self.transform
         self._delivered: int | None = None
         if self.batch_size is None:
             for sample in consumer:
                 yield transform(sample) if transform else sample
+                if iteration != self._iterations:
+                    self._check_current(iteration)
             self._flush_stats(consumer)
             return
         # Batched mode (datacache._batchloop). The default collation writes batches into a reusable
@@ -314,8 +391,13 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         def mark(position: int) -> None:  # what state_dict records: the position after the last batch out
             self._delivered = position
 
-        yield from batched(consumer, self._batches(consumer.plan, consumer.skip), ring or self.collate_fn,
-                           transform, mark)
+        batches = batched(consumer, self._batches(consumer.plan, consumer.skip), ring or self.collate_fn, transform, mark)
+        try:
+            for batch in batches:
+                yield batch
+                self._check_current(iteration)
+        finally:
+            batches.close()
         self._flush_stats(consumer)
 
     def _batches(self, plan: ConsumerPlan, skip: int) -> WorkerBatches:
@@ -333,38 +415,59 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         return ring
 
     def _flush_stats(self, consumer: Consumer) -> None:
+        """Add the epoch's figures to the node's counters and to the dataset's own (``stats()``)."""
         p = consumer.decoder
+        store = self._unflushed_store(mark=True)
+        info = tud.get_worker_info()
+        self._own.add(0 if info is None else 1 + info.id, samples=consumer.consumed - consumer.skip,
+                      wait_seconds=p.wait_seconds, skipped_shards=consumer.reported_skips, **store)
+        self._flushed = consumer
         self.cache.count(wait_seconds=p.wait_seconds, waits=p.waits, samples=consumer.consumed,
                          padded=consumer.plan.padded if consumer.skip == 0 else 0,
-                         storage_retries=self._unflushed_retries(mark=True))
+                         storage_retries=store["retries"])
         p.wait_seconds, p.waits = 0.0, 0
         self.cache.flush_stats()
 
-    def _unflushed_retries(self, mark: bool = False) -> int:
-        """Storage retries of this process not yet in the node-wide ``storage_retries`` counter (a
-        forked DataLoader worker's store counts from zero); with ``mark`` they count as added now."""
+    def _unflushed_store(self, mark: bool = False) -> dict[str, int]:
+        """This process's store counters (``_dsstats.STORE_FIELDS``: bytes read, requests, retries)
+        not yet added to the node's ``storage_retries`` and the dataset's own figures (a forked
+        DataLoader worker's store counts from zero); with ``mark`` they count as added now."""
         stores = self.source.stores() if self._mix is not None else [self.store]  # type: ignore[union-attr]
-        total = sum(st.stats()["retries"] for st in stores)
-        pid, done = getattr(self, "_retries_flushed", (-1, 0))
+        totals = [st.stats() for st in stores]
+        now = {ours: sum(t[theirs] for t in totals) for ours, theirs in STORE_FIELDS.items()}
+        pid, done = getattr(self, "_store_flushed", (-1, {}))
         if mark:
-            self._retries_flushed = (os.getpid(), total)
-        return total - (done if pid == os.getpid() else 0)
+            self._store_flushed = (os.getpid(), now)
+        return {k: v - (done.get(k, 0) if pid == os.getpid() else 0) for k, v in now.items()}
 
     # ------------------------------------------------------------------ stats / lifecycle
     def stats(self) -> dict[str, Any]:
-        """Node-wide cache counters plus this process's consumer: wait seconds, prefetch depth.
+        """First, under ``"dataset"``, this dataset's own figures (``datacache._dsstats``): its
+        ``epoch``, and since it was made, over this process and its DataLoader workers (theirs as of
+        their last finished epoch): ``samples`` delivered, ``remote_bytes`` read from the store and
+        its ``requests`` and ``retries``, ``skipped_shards``, ``wait_seconds`` its consumers waited
+        for data. Every other key is node-wide: the node cache's counters, summed over every
+        process and dataset sharing the cache since it was created or reset, plus this process's
+        consumer: wait seconds, prefetch depth.
         ``storage_retries``: retried storage requests (every consumer's finished epochs on the node,
         plus this process's so far). ``storage_throttled``, ``storage_throttle_seconds``,
         ``storage_concurrency``: the node's throttling answers from this store prefix, seconds spent
         throttled, and its congestion window now (``datacache.congestion``). ``stash_bytes``: the
         samples this process's consumer holds read ahead for its later runs in a part-mixed cold
         epoch (``datacache._stash``; 0 otherwise)."""
-        out = self.cache.stats()
-        out["storage_retries"] = int(out.get("storage_retries", 0)) + self._unflushed_retries()
+        store = self._unflushed_store()
+        c = self._consumer
+        live: dict[str, float] = dict(store)
+        if c is not None:
+            live["wait_seconds"] = c.decoder.wait_seconds  # reset when added
+            if c is not self._flushed:
+                live.update(samples=c.consumed - c.skip, skipped_shards=c.reported_skips)
+        out: dict[str, Any] = {"dataset": {"epoch": self.epoch, **self._own.totals(**live)}}
+        out.update(self.cache.stats())
+        out["storage_retries"] = int(out.get("storage_retries", 0)) + store["retries"]
         cong = self.store.congestion.stats()
         out.update(storage_throttled=cong["throttled"], storage_throttle_seconds=cong["throttle_seconds"],
                    storage_concurrency=cong["concurrency"])
-        c = self._consumer
         if c is not None:
             out["consumer_wait_seconds"] = c.decoder.wait_seconds
             out["prefetch_depth"] = c.prefetcher.depth
@@ -384,7 +487,7 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_consumer"] = state["_collator"] = None
+        state["_consumer"] = state["_collator"] = state["_flushed"] = None
         return state
 
     def __del__(self) -> None:

@@ -102,6 +102,7 @@ class DataLoader(StatefulDataLoader):
         if self.num_workers == 0:  # the dataset, in this process, knows its own position
             return iter(self._torch)
         self._stop_head()
+        self.dataset.start_iteration()  # its epoch, decided here for the workers
         rounds = self.dataset.worker_rounds(self.num_workers)
         # Planned before the fork, so that the workers inherit the plans (a part mix of 200,000
         # samples: about 0.1 s a process) and the head start's reads lead theirs; its threads
@@ -119,6 +120,11 @@ class DataLoader(StatefulDataLoader):
         self.dataset.resume_started()
         self._live = _Counted(it, rounds)
         return self._live
+
+    def __len__(self) -> int:
+        if self._torch is None:
+            return super().__len__()
+        return self.dataset.num_batches()  # len(dataset) stays its sample count
 
     def _stop_head(self) -> None:
         head, self._head = self._head, None
@@ -201,7 +207,7 @@ def _configure(ds: StreamingDataset, batch_size: int | None, collate_fn: Callabl
         raise ValueError(f"datacache.DataLoader: batch_size={batch_size}, but the dataset already yields batches of "
                          f"{ds.batch_size} (StreamingDataset(batch_size={ds.batch_size})): pass one of the two")
     if ds.batch_size is None and batch_size is not None:  # 1 too: torch's default yields batches of one
-        ds.batch_size = batch_size
+        ds.batch_size, ds._loader_batched = batch_size, True
     if collate_fn is not None and collate_fn is not tud.default_collate:
         if ds.batch_size is None:
             raise ValueError("datacache.DataLoader: collate_fn= needs a batch_size (batch_size=None yields samples one "

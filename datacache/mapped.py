@@ -11,6 +11,7 @@ One instance per process; ``__getitem__`` is called by one thread at a time.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -72,7 +73,12 @@ class CachedDataset(tud.Dataset):
         return self._planned[batch_of % info.num_workers == info.id]
 
     def __getitem__(self, index: int) -> Any:
-        index = int(index)
+        """Sample ``index``; negative indices count from the end, as in a sequence (``IndexError``
+        out of range, which also ends a ``for`` loop over the dataset)."""
+        n, index = len(self), operator.index(index)
+        if not -n <= index < n:
+            raise IndexError(f"datacache: index {index} out of range for {self.store.url}, which holds {n} samples")
+        index %= n
         if self._state is None and self._planned is not None:
             self._state = _PlanState(self, self._my_order())
         st = self._state

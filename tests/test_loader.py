@@ -87,6 +87,7 @@ def test_under_a_profiler_each_batch_is_a_dataloader_range(url: str, cache: Node
     from torch.profiler import ProfilerActivity, profile
 
     ds = StreamingDataset(url, cache=cache, seed=5)
+    ds.set_epoch(0)  # both iterations: without set_epoch, the second would read epoch 1
     loader = datacache.DataLoader(ds, batch_size=64, num_workers=2)
     plain = [ids_of(b) for b in loader]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
