@@ -63,7 +63,8 @@ class NodeCache(CacheAdminMixin):
         self.open_datasets: dict[int, frozenset[str]] = {}  # this process's readers of it (``reading``)
         self.index = Index(self.control_dir)
         self._node = NodeLock(self.control_dir)
-        self.reconciled = self._node.join(lambda: reconcile(self.index, self.tiers, self.pass_dir))
+        self.reconciled = self._node.join(lambda: reconcile(self.index, self.tiers, self.pass_dir,
+                                                                      self.lock_dir))
         self.token = self._token()
         self._closed = False
 
