@@ -6,9 +6,10 @@ reconciliation it starts with must leave each partial copy's state and scratch f
 
 Real S3 server behind a SlowLink (so fills are in flight when the kill comes), real processes
 (forked from the test, each job in a process group of its own, killed as a preempted node's are).
-The kill points are random (seeded): after a random number of batches, once a partial copy is
-being filled. The test waits on the job's output, the cache's files and the node lock, never on
-sleeps.
+The kill points are random (seeded): once a random share of the epoch's bytes has come through
+the link while a partial copy is being filled; a third of the kills are a Ctrl-C (SIGINT). The
+test waits on the job's output, the cache's files, the link's byte count and the node lock, never
+on sleeps.
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ def _job(url: str, opts: dict[str, Any], cache: dict[str, Any], out: int) -> Non
             bad = sum(bytes(d) != H.payload(i, SIZE) for i, d in zip(ids, batch["data"]))
             os.write(out, (json.dumps({"ids": ids, "bad": bad}) + "\n").encode())
         os.write(out, b'{"end": true}\n')
+    except KeyboardInterrupt:  # Ctrl-C: the loader's workers were shut down as the loop unwound
+        os.write(out, b'{"interrupted": true}\n')
+        code = 130
     except BaseException as exc:  # reported to the test
         os.write(out, (json.dumps({"error": repr(exc)}) + "\n").encode())
         code = 1
@@ -63,10 +67,12 @@ def _scratch_files(cache: dict[str, Any]) -> list[str]:
     return [n for n in H.files(Path(cache["ram_dir"]) / "data") if n.endswith(".part")]
 
 
-def _run(url: str, opts: dict[str, Any], cache: dict[str, Any], kill_when: Callable[[], bool] | None) -> dict[str, Any]:
-    """Run a job to its end, or SIGKILL its process group once ``kill_when()`` holds while a
-    partial copy is being filled. Returns what it reported (``_job``), and ``killed``: whether it
-    was killed before its epoch ended."""
+def _run(url: str, opts: dict[str, Any], cache: dict[str, Any], kill_when: Callable[[], bool] | None,
+         sig: int = signal.SIGKILL) -> dict[str, Any]:
+    """Run a job to its end, or send its process group ``sig`` once ``kill_when()`` holds while a
+    partial copy is being filled (SIGINT: Ctrl-C, then SIGKILL once the job has stopped).
+    Returns what it reported (``_job``), and ``killed``: whether the signal came before its epoch
+    ended."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -82,6 +88,9 @@ def _run(url: str, opts: dict[str, Any], cache: dict[str, Any], kill_when: Calla
                 done = H.wait_for(lambda: os.waitpid(pid, os.WNOHANG)[0] == pid or (kill_when() and _scratch_files(cache)),
                                   60, "the job to fill partial copies")
                 got["killed"] = done is not True
+                if got["killed"] and sig != signal.SIGKILL:
+                    os.killpg(pid, sig)
+                    H.wait_for(lambda: os.waitpid(pid, os.WNOHANG)[0] == pid, 60, "the job to stop after Ctrl-C")
         finally:
             try:
                 os.killpg(pid, signal.SIGKILL)  # the workers too, at once (not their watchdog's 5 s later)
@@ -135,8 +144,10 @@ def test_a_restart_after_kills_at_random_points_of_partial_fills_reads_every_sam
         cache = H.cache_kw(tmp_path / f"try{t}", ram="8MB")
         link.bandwidth = 300_000  # about 1 s for the epoch's bytes: the kill finds fills in flight
         at = link.snapshot()["bytes_down"] + rng.uniform(0.05, 0.9) * total
-        killed = _run(url, opts, cache, lambda: link.snapshot()["bytes_down"] >= at)
+        sig = signal.SIGINT if t % 3 == 2 else signal.SIGKILL  # a third of the kills are a Ctrl-C
+        killed = _run(url, opts, cache, lambda: link.snapshot()["bytes_down"] >= at, sig)
         assert "error" not in killed and killed["bad"] == 0, (t, killed)
+        assert killed.get("interrupted", False) == (sig == signal.SIGINT and killed["killed"]), (t, killed)
         kills += killed["killed"]
         left = len(_scratch_files(cache))
         link.bandwidth = 0
