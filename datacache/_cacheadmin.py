@@ -6,7 +6,9 @@ sets (``index``, ``tiers``, ``lock_dir``). Every method is thread-safe and fork-
 """
 from __future__ import annotations
 
+import os
 import shutil
+import uuid
 import weakref
 from typing import Any
 
@@ -90,7 +92,9 @@ class CacheAdminMixin:
         """Where a node-wide scratch copy of ``key`` may be filled (``datacache._partial``): in the
         first enabled tier whose budget holds ``size`` bytes beside its entries and the scratch
         copies in it now, and whose file system has twice that free; else None (the caller fetches
-        the whole shard). Its name starts with ``.tmp-``: reconciliation removes a leftover one."""
+        the whole shard). The name is new each call (``.tmp-<key id>.<generation>.part``), so a
+        stale state can never name a newer copy's file; it starts with ``.tmp-``: reconciliation
+        removes a leftover one."""
         with self.index.read() as txn:
             used = {name: txn.used(name) for name in self.tiers}
         for name, tier in self.tiers.items():
@@ -102,8 +106,14 @@ class CacheAdminMixin:
             except OSError:
                 continue
             if used[name] + scratch + size <= tier.budget and free >= 2 * size:
-                return tier.temp_path(key_id(key)) + ".part"
+                return f"{tier.temp_path(key_id(key))}.{uuid.uuid4().hex[:12]}.part"
         return None
+
+    def scratch_files(self, key: str) -> list[str]:
+        """The paths of every scratch copy of ``key`` in the tiers now (``scratch_path``'s names)."""
+        prefix = os.path.basename(next(iter(self.tiers.values())).temp_path(key_id(key))) + "."
+        return [e.path for tier in self.tiers.values() for e in tier.scan()
+                if e.name.startswith(prefix) and e.name.endswith(".part")]
 
     def count(self, **deltas: float) -> None:
         """Add to the node-wide counters of ``stats()`` (e.g. ``wait_seconds``, ``skipped_shards``);

@@ -8,8 +8,10 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from .errors import CacheError
@@ -81,12 +83,28 @@ def fallback_bases() -> tuple[str, ...]:
 class PassDir:
     """Where pass-through copies are written: the fastest enabled tier's data directory, else a
     private ``pass`` directory beside the index; after ENOSPC there, a private directory on another
-    file system (``/dev/shm`` or the temp dir). Thread-safe."""
+    file system (``/dev/shm`` or the temp dir). A copy that would leave the tier's file system
+    without its reserve (``Tier.has_room``) goes to such a directory too, that copy alone
+    (``dir_for``). Thread-safe."""
 
     def __init__(self, tiers: list[Tier], control_dir: str) -> None:
         enabled = [t for t in tiers if t.enabled]
         self.path = enabled[0].data_dir if enabled else ensure_private_dir(os.path.join(control_dir, "pass"))
+        self._tiers = tiers
         self._lock = threading.Lock()
+
+    def dir_for(self, size: int) -> str:
+        """The directory for a pass-through copy of ``size`` bytes now: ``path``, or where that is
+        a tier's directory without room for it, a private one on another file system with twice
+        that free (``path`` still if there is none)."""
+        current = self.path
+        tier = next((t for t in self._tiers if t.data_dir == current), None)
+        if tier is None or tier.has_room(size):
+            return current
+        for path in _elsewhere(current):
+            if shutil.disk_usage(path).free >= 2 * size:
+                return path
+        return current
 
     def move_after(self, failed_dir: str, exc: OSError) -> bool:
         """Move to another file system after ENOSPC in ``failed_dir``; False when there is none left
@@ -94,16 +112,24 @@ class PassDir:
         with self._lock:
             if self.path != failed_dir:
                 return True
-            for base in fallback_bases():
-                path = os.path.join(base, f"datacache-pass-{os.getuid()}")
-                if not os.path.isdir(base) or os.path.realpath(path) == os.path.realpath(self.path):
-                    continue
-                if os.path.exists(self.path) and os.stat(base).st_dev == os.stat(self.path).st_dev:
-                    continue
-                try:
-                    self.path = ensure_private_dir(path)
-                except (OSError, CacheError):  # e.g. another user made it first (/dev/shm is world-writable)
-                    continue
+            for path in _elsewhere(self.path):
+                self.path = path
                 log.warning("datacache: no space for pass-through copies (%s); using %s and continuing", exc, path)
                 return True
             return False
+
+
+def _elsewhere(current: str) -> Iterator[str]:
+    """Private pass-through directories on file systems other than ``current``'s (``fallback_bases``),
+    created as they are yielded."""
+    for base in fallback_bases():
+        path = os.path.join(base, f"datacache-pass-{os.getuid()}")
+        if not os.path.isdir(base) or os.path.realpath(path) == os.path.realpath(current):
+            continue
+        if os.path.exists(current) and os.stat(base).st_dev == os.stat(current).st_dev:
+            continue
+        try:
+            ensure_private_dir(path)
+        except (OSError, CacheError):  # e.g. another user made it first (/dev/shm is world-writable)
+            continue
+        yield path

@@ -15,11 +15,12 @@ block; ``readers.base.ShardLayout``) by whichever process of the node needs it f
 
 Files, per key id ``kid``:
 
-- ``<tier data dir>/.tmp-<kid>.part``: the scratch file, full size, sparse until filled. It starts
-  with ``.tmp-``, so reconciliation after an unclean stop removes a leftover one.
+- ``<tier data dir>/.tmp-<kid>.<generation>.part``: the scratch file, full size, sparse until
+  filled; a new name for each copy. It starts with ``.tmp-``, so reconciliation after an unclean
+  stop removes a leftover one.
 - ``<lock dir>/<kid>.part``: the state, written once the fixed ranges are in (temp file and
-  ``os.replace``): a header naming the scratch file, then one byte per unit (1: filled), mapped
-  shared by every process using it.
+  ``os.replace``): a header naming the scratch file and its identity (device and inode), then one
+  byte per unit (1: filled), mapped shared by every process using it.
 - ``<lock dir>/<kid>.u<n>.lock``: one kernel ``flock`` per unit (``tiers.KeyLock``), held by the one
   thread on the node that is fetching unit ``n``; ``u0``: creating the copy (the fixed ranges),
   or completing it. Waiters block in the kernel; a fetcher that dies releases its units with its
@@ -29,7 +30,12 @@ Files, per key id ``kid``:
 
 A unit's byte is set after its bytes are written (``os.pwrite``), so a reader that sees it set
 reads the unit's bytes. A process that dies mid-fill leaves the scratch copy and its state: the
-next user continues from the units already in. Nothing is visible in the cache until the whole
+next user continues from the units already in. State and scratch file are one unit: a state is
+used only with the very file it was written for (its name, device, inode and size checked on
+attach), else it is stale and removed (under ``u0``), so a state left by a dead copy can never
+mark units of a newer, sparse one as filled; a scratch file without a state (its creator died
+before writing it) is removed by the next creator of the key (under ``u0``); reconciliation
+removes both (``datacache._reconcile``). Nothing is visible in the cache until the whole
 file has passed the manifest's hash; a copy that fails it is dropped (``IntegrityError`` for the
 caller that completed it; later reads fall back to a whole fetch).
 
@@ -55,10 +61,10 @@ __all__ = ["PartialShard", "PartialGone", "Fetch", "LayoutOf"]
 Fetch = Callable[[int, int], bytes]  # (start, end) -> those bytes of the remote object
 LayoutOf = Callable[[Callable[[int, int], bytes], int, str], ShardLayout]
 
-_MAGIC = b"DCP1"
 _TAIL_BYTES = 16 << 10  # the first read of a shard: its tail, where a dcz index usually fits
 _HEAD_BYTES = 4 << 10  # read beside the tail: the head, where a magic (and a small header) lies
-_HEAD = struct.Struct("<4sQI")  # magic, file size, scratch path length; then the path; then one byte per unit
+_MAGIC = b"DCP2"
+_HEAD = struct.Struct("<4sQQQI")  # magic, file size, scratch device, inode, path length; the path; a byte per unit
 
 
 class PartialGone(Exception):
@@ -101,6 +107,9 @@ class PartialShard:
                             raise PartialGone(self.key)
 
     def _try_attach(self, locked: bool) -> bool:
+        """Attach to the node's copy if its state names an existing scratch file, the very one it
+        was written for; a stale state (its file gone or replaced) is removed when ``locked``
+        (under ``u0``). Whether attached."""
         try:
             fd = os.open(self._state_path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -109,33 +118,54 @@ class PartialShard:
             state = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
-        magic, size, plen = _HEAD.unpack_from(state, 0)
-        path = bytes(state[_HEAD.size:_HEAD.size + plen]).decode()
-        try:
-            sfd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:  # reconciled away, or moved into the cache: the state is stale
+        if state[:len(_MAGIC)] != _MAGIC:  # another version's: stale
+            sfd = -1
+        else:
+            _, size, dev, ino, plen = _HEAD.unpack_from(state, 0)
+            if size != self.size:
+                state.close()
+                raise PartialGone(f"{self._state_path}: not the state of a {self.size}-byte copy")
+            path = bytes(state[_HEAD.size:_HEAD.size + plen]).decode()
+            sfd = self._open_scratch(path, dev, ino)
+        if sfd < 0:  # reconciled away, moved into the cache, or replaced: the state is stale
             state.close()
             if locked:
                 remove_if_exists(self._state_path)
             return False
-        if magic != _MAGIC or size != self.size:
+        try:
+            layout = self._layout_of(lambda a, b: os.pread(sfd, b - a, a), size, path)
+        except ReaderError as exc:  # cannot be, with the fixed ranges in before the state: read it whole
             state.close()
             os.close(sfd)
-            raise PartialGone(f"{self._state_path}: not the state of a {self.size}-byte copy")
-        layout = self._layout_of(lambda a, b: os.pread(sfd, b - a, a), size, path)
+            raise PartialGone(f"{path}: {exc.message}") from exc
         self.layout, self.path, self._fd, self._state = layout, path, sfd, state
         self._base = _HEAD.size + plen
         return True
+
+    def _open_scratch(self, path: str, dev: int, ino: int) -> int:
+        """A descriptor on the scratch file ``path`` if it is the file ``dev``/``ino`` of this
+        copy's size, else -1."""
+        try:
+            sfd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return -1
+        st = os.fstat(sfd)
+        if (st.st_dev, st.st_ino, st.st_size) != (dev, ino, self.size):
+            os.close(sfd)
+            return -1
+        return sfd
 
     def _create(self, fetch: Fetch) -> None:
         """Under the ``u0`` lock: a scratch file with the fixed ranges in, then its state."""
         if self.cache.contains(self.key) is not None:
             raise PartialGone(f"{self.key} is in the cache")
+        for orphan in self.cache.scratch_files(self.key):  # no state names it (see the module docstring)
+            remove_if_exists(orphan)
         path = self.cache.scratch_path(self.key, self.size)
         if path is None:
             raise PartialGone(f"no tier has room for a {self.size}-byte scratch copy of {self.key}")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise PartialGone(f"cannot create {path}: {exc}") from exc
         try:
@@ -149,9 +179,10 @@ class PartialShard:
             if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
                 raise PartialGone(f"no space for a scratch copy at {path}") from exc
             raise
+        st = os.fstat(fd)
         os.close(fd)
         encoded = path.encode()
-        body = _HEAD.pack(_MAGIC, self.size, len(encoded)) + encoded + units
+        body = _HEAD.pack(_MAGIC, self.size, st.st_dev, st.st_ino, len(encoded)) + encoded + units
         tmp = f"{self._state_path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             f.write(body)

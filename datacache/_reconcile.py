@@ -3,7 +3,8 @@
 Every process using a cache holds a shared ``flock`` on ``<control>/node.lock`` (``NodeLock``). A
 process that can take it exclusively is alone: whatever the directories hold was left by processes
 that are gone (possibly killed at any moment), so it reconciles the index with the files
-(``reconcile``): temporary and pass-through files and orphans are removed, entries whose files are
+(``reconcile``): temporary and pass-through files and orphans are removed, partial copies with
+their states (``datacache._partial``: scratch file and state are one unit), entries whose files are
 missing or of the wrong size are dropped, tier usage is recomputed, and a new verification token is
 issued so each surviving entry is re-hashed before it is first served.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
@@ -24,6 +26,8 @@ from .tiers import BUSY, GONE, KeyLock, Tier, key_id, lock_nonblocking, remove_i
 __all__ = ["NodeLock", "reconcile", "clear"]
 
 log = logging.getLogger("datacache.cache")
+_PART_STATE = re.compile(r"[0-9a-f]{32}\.part(\.\d+\.tmp)?$")  # datacache._partial's state (and its temp)
+_UNIT_LOCK = re.compile(r"[0-9a-f]{32}\.u[1-9]\d*\.lock$")
 _held: "weakref.WeakSet[NodeLock]" = weakref.WeakSet()  # this process's joined node locks
 
 
@@ -93,10 +97,11 @@ def _rejoin_after_fork() -> None:
 os.register_at_fork(after_in_child=_rejoin_after_fork)
 
 
-def reconcile(index: Index, tiers: Mapping[str, Tier], pass_dir: str) -> dict[str, int]:
-    """Make ``index`` and the ``tiers``' directories (and ``pass_dir``) agree; the caller must be
-    alone on the node (``NodeLock.join``'s ``when_alone``). Returns what was removed."""
-    report = {"partial": 0, "orphans": 0, "missing": 0}
+def reconcile(index: Index, tiers: Mapping[str, Tier], pass_dir: str, lock_dir: str) -> dict[str, int]:
+    """Make ``index`` and the ``tiers``' directories (and ``pass_dir``) agree, and remove the
+    partial copies' states from ``lock_dir`` with their scratch files; the caller must be alone on
+    the node (``NodeLock.join``'s ``when_alone``). Returns what was removed."""
+    report = {"partial": _remove_part_states(lock_dir), "orphans": 0, "missing": 0}
     with index.read() as txn:
         entries = dict(txn.items())
     referenced: dict[str, dict[str, str]] = {name: {} for name in tiers}
@@ -133,6 +138,20 @@ def reconcile(index: Index, tiers: Mapping[str, Tier], pass_dir: str) -> dict[st
     else:
         log.info("datacache: cache at %s is consistent (%d entries)", index.path, len(entries))
     return report
+
+
+def _remove_part_states(lock_dir: str) -> int:
+    """Remove the partial copies' states (``<kid>.part``, and a temp one a writer left) and unit
+    locks (``<kid>.u<n>.lock``, but ``u0``, which stays as a key's lock does) from ``lock_dir``;
+    how many states went. Their scratch files are ``.tmp-`` files: ``_scan`` removes them."""
+    removed = 0
+    for de in os.scandir(lock_dir):
+        if _PART_STATE.match(de.name):
+            remove_if_exists(de.path)
+            removed += 1
+        elif _UNIT_LOCK.match(de.name):
+            remove_if_exists(de.path)
+    return removed
 
 
 def _scan(dirs: list[tuple[str, str]], referenced: Mapping[str, Mapping[str, str]],

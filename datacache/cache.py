@@ -63,7 +63,8 @@ class NodeCache(CacheAdminMixin):
         self.open_datasets: dict[int, frozenset[str]] = {}  # this process's readers of it (``reading``)
         self.index = Index(self.control_dir)
         self._node = NodeLock(self.control_dir)
-        self.reconciled = self._node.join(lambda: reconcile(self.index, self.tiers, self.pass_dir))
+        self.reconciled = self._node.join(lambda: reconcile(self.index, self.tiers, self.pass_dir,
+                                                                      self.lock_dir))
         self.token = self._token()
         self._closed = False
 
@@ -214,15 +215,16 @@ class NodeCache(CacheAdminMixin):
         kid = key_id(key)
         for tier in (self.ram, self.ssd, None):
             if tier is not None and (not tier.enabled or (size is not None and size > tier.budget)
-                                     or into not in (None, tier.name)):
+                                     or into not in (None, tier.name) or not tier.has_room(size or 0)):
                 continue
-            tmp = tier.temp_path(kid) if tier else os.path.join(self.pass_dir, f".pass-{kid}-{os.getpid()}-{time.time_ns()}")
+            tmp = tier.temp_path(kid) if tier else os.path.join(self._pass.dir_for(size or 0),
+                                                                 f".pass-{kid}-{os.getpid()}-{time.time_ns()}")
             try:
                 nbytes, h = self._download(key, fetch, tmp, size, digest)
             except OSError as exc:
                 remove_if_exists(tmp)
                 if tier is not None and exc.errno in NO_SPACE_ERRNOS:
-                    tier.disable(f"no space left ({exc})")
+                    tier.disable(f"no space left ({exc})", full=True)
                     continue
                 if exc.errno in NO_SPACE_ERRNOS and self._pass.move_after(os.path.dirname(tmp), exc):
                     return self._fill(key, fetch, size, digest, into)
@@ -337,7 +339,10 @@ class NodeCache(CacheAdminMixin):
     def _copy_in(self, key: str, src: str, tier: Tier, nbytes: int, digest: str) -> CacheHandle | None:
         """Copy the local file ``src`` into ``tier`` (temp, fsync, commit) for ``key``; the handle
         (tier "pass" if the policy refused it), or None when the tier's file system is full (the
-        tier is then disabled with a warning). Used to promote, demote and fall through to SSD."""
+        tier is then disabled with a warning, until it has room again) or has no room for the copy
+        now (``Tier.has_room``). Used to promote, demote and fall through to SSD."""
+        if not tier.has_room(nbytes):
+            return None
         tmp = tier.temp_path(key_id(key))
         try:
             shutil.copyfile(src, tmp)
@@ -347,7 +352,7 @@ class NodeCache(CacheAdminMixin):
         except OSError as exc:
             remove_if_exists(tmp)
             if exc.errno in NO_SPACE_ERRNOS:
-                tier.disable(f"no space left ({exc})")
+                tier.disable(f"no space left ({exc})", full=True)
                 return None
             raise
 

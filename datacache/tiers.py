@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,7 +40,13 @@ log = logging.getLogger("datacache.cache")
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _MIN_TIER_BYTES = 16 << 20
-_FREE_SHARE = 0.9
+# Kept free beside a tier that is shrunk to its file system: for the files written beside the
+# budget (entries being fetched, pass-through copies, partial copies being completed) and the
+# cache's own small files there (index, plans, batch rings). A third of what the tier could
+# have, at most 1 GiB, and at least a tenth: on a 32 MB file system (1 MB shards, 8 threads)
+# a quarter was too little for the entries being fetched and the pass-through copies still open.
+_RESERVE_SHARE, _RESERVE_MAX, _RESERVE_MIN_SHARE = 1 / 3, 1 << 30, 0.1
+_FLOOR_SHARE = 0.25  # of the reserve: never filled by the cache's data files (``has_room``)
 
 
 def pid_alive(pid: int) -> bool:
@@ -74,15 +81,20 @@ def ensure_private_dir(path: str) -> str:
 
 
 class Tier:
-    """One cache tier: a budget in bytes and a private directory. Thread-safe (immutable after init
-    except ``disable``, which only ever turns the tier off)."""
+    """One cache tier: a budget in bytes and a private directory. Thread-safe: after init only
+    ``disable`` and ``enabled`` change it. A tier disabled because its file system was full
+    (``disable(full=True)``) turns itself on again once ``reserve`` bytes are free there
+    (``enabled``), with its budget fitted to the file system again; one disabled for another
+    reason stays off."""
 
     def __init__(self, name: str, path: str, budget: int) -> None:
         self.name = name
         self.path = path
         self.data_dir = os.path.join(path, "data")
-        self.budget = int(budget)
-        self.enabled = False
+        self.budget = self._wanted = int(budget)
+        self.reserve = 0  # bytes kept free on the file system beside the budget (``_fit_free_space``)
+        self._enabled = self._full = self._short = self._warned_short = False
+        self._lock = threading.Lock()
         if self.budget <= 0:
             return
         try:
@@ -100,7 +112,9 @@ class Tier:
             return
         self._fit_free_space()
 
-    def _fit_free_space(self) -> None:
+    def _fit_free_space(self, quiet: bool = False) -> bool:
+        """Fit the budget to the file system: what it has free and what the tier holds, less the
+        reserve (``_RESERVE_SHARE``). Whether the tier can be on (and it is then)."""
         usage = shutil.disk_usage(self.data_dir)
         ours = 0
         for e in os.scandir(self.data_dir):
@@ -108,21 +122,74 @@ class Tier:
                 ours += e.stat(follow_symlinks=False).st_size if e.is_file(follow_symlinks=False) else 0
             except FileNotFoundError:
                 pass
-        available = int((usage.free + ours) * _FREE_SHARE)
-        if self.budget > available:
+        room = usage.free + ours
+        self.reserve = int(max(room * _RESERVE_MIN_SHARE, min(room * _RESERVE_SHARE, _RESERVE_MAX)))
+        available, wanted = room - self.reserve, self._wanted
+        if wanted > available:
             if available < _MIN_TIER_BYTES:
-                log.warning("datacache: %s tier disabled: only %s free at %s", self.name,
-                            format_size(usage.free), self.path)
-                return
-            log.warning("datacache: %s tier budget shrunk from %s to %s: that is what %s has free",
-                        self.name, format_size(self.budget), format_size(available), self.path)
-            self.budget = available
-        self.enabled = True
+                if not quiet:
+                    log.warning("datacache: %s tier disabled: only %s free at %s", self.name,
+                                format_size(usage.free), self.path)
+                return False
+            if not quiet:
+                log.warning("datacache: %s tier budget shrunk from %s to %s: that is what %s has free, less %s "
+                            "kept free for the files the cache writes beside its entries", self.name,
+                            format_size(wanted), format_size(available), self.path, format_size(self.reserve))
+            wanted = available
+        self.budget, self._enabled = wanted, True
+        return True
 
-    def disable(self, why: str) -> None:
-        if self.enabled:
-            self.enabled = False
-            log.warning("datacache: %s tier disabled at %s: %s; continuing without it", self.name, self.path, why)
+    @property
+    def enabled(self) -> bool:
+        """Whether the tier takes new entries now; one disabled because its file system was full
+        is on again once ``reserve`` bytes are free there (one ``statvfs`` per call while off)."""
+        if self._enabled or not self._full:
+            return self._enabled
+        try:
+            back = shutil.disk_usage(self.data_dir).free >= self.reserve
+        except OSError:
+            return False
+        if back and self._fit_free_space(quiet=True):  # I/O outside the lock; threads may both re-fit
+            with self._lock:
+                said, self._full = not self._full, False
+            if not said:
+                log.warning("datacache: %s tier enabled again at %s: its file system has room again "
+                            "(budget %s)", self.name, self.path, format_size(self.budget))
+        return self._enabled
+
+    def has_room(self, size: int) -> bool:
+        """Whether a file of ``size`` bytes can be written into the tier's directory now and leave
+        the floor of the reserve free (``_FLOOR_SHARE``: the cache's own small files there); a
+        tier at its budget still has room for one entry being fetched, then evicts."""
+        try:
+            free = shutil.disk_usage(self.data_dir).free
+        except OSError:
+            return False
+        room = free - size >= self.reserve * _FLOOR_SHARE
+        if room == self._short:  # a change: one line when it starts (a warning the first time) and ends
+            with self._lock:
+                if room != self._short:
+                    return room
+                self._short, warned = not room, self._warned_short
+                self._warned_short = True
+            if room:
+                log.info("datacache: %s tier at %s has room again", self.name, self.path)
+            else:  # files still open beside the entries (samples of evicted shards) count too
+                log.log(logging.INFO if warned else logging.WARNING,
+                        "datacache: %s tier at %s is short of space (%s free, %s kept free beside its entries): "
+                        "new entries skip it until there is room", self.name, self.path, format_size(free),
+                        format_size(int(self.reserve * _FLOOR_SHARE)))
+        return room
+
+    def disable(self, why: str, *, full: bool = False) -> None:
+        """Turn the tier off (one warning); ``full``: because its file system is full, so that it
+        turns on again once there is room (``enabled``)."""
+        with self._lock:
+            if not self._enabled:
+                return
+            self._enabled, self._full = False, full
+        log.warning("datacache: %s tier disabled at %s: %s; continuing without it%s", self.name, self.path, why,
+                    " until its file system has room again" if full else "")
 
     def file_path(self, fname: str) -> str:
         return os.path.join(self.data_dir, fname)

@@ -21,7 +21,7 @@ ROOT_ONLY = [  # node id: how many tests it holds
     ("tests/test_cache.py::test_cache_dir_owned_by_another_user_is_refused", 2),
     ("tests/test_cache.py::test_pass_through_fallback_owned_by_another_user_is_skipped", 1),
     ("tests/test_fastpath.py::test_no_ring_where_shared_memory_is_short", 1),
-    ("tests/test_disk_full.py", 4),
+    ("tests/test_disk_full.py", 6),
     ("tests/test_hostile.py::test_cache_dir_owned_by_another_user_is_refused", 4),
 ]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from datacache import CacheConfig, IntegrityError
 from datacache._partial import PartialShard
 from datacache._partmix import part_rows
 from datacache.shards import PartHandle, ShardSource
+from datacache.tiers import key_id
 from readers._dczindex import dcz_layout
 from tests.helpers import faults as H
 
@@ -251,5 +253,73 @@ def test_parts_are_cut_along_the_blocks_the_writer_recorded(blocky, tmp_path) ->
             for lo in range(0, lay.samples - rows, rows):
                 assert len(lay.units_of_rows(list(range(lo, lo + rows)))) == 2
         assert part_rows(int(2.4 * block), shard_bytes, counts) == int(2.4 * block // (block / m.unit_rows))
+    finally:
+        src.close()
+
+
+def _lock_waited(path: str) -> bool:
+    """Whether a thread waits for the ``flock`` on ``path`` now (a "->" line of ``/proc/locks``)."""
+    st = os.stat(path)
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with open("/proc/locks") as f:
+        return any("->" in line and dev in line.split() for line in f)
+
+
+@pytest.mark.timeout(60)
+def test_a_stale_state_is_never_paired_with_a_new_copy_being_created(blocky, tmp_path) -> None:
+    """A copy's state and scratch file are one unit. The restart race of issue 37: after a
+    reconciliation removed a copy's scratch file, one process reads the copy's stale state while
+    another, holding ``u0``, creates a new copy (sparse until its fixed ranges are in). The first
+    must not pair the stale state with the new file ("no footer magic", or zeros where the stale
+    state marks units filled): it waits for the new copy, and serves every byte right."""
+    src = _source(*blocky, str(tmp_path))
+    try:
+        info = src.manifest.shards[0]
+
+        def handle() -> PartialShard:
+            return PartialShard(src.cache, src.key(0), size=info.bytes, digest=info.hash, samples=info.samples,
+                                layout_of=src.fmt.layout, name=src.url(0))
+
+        def fetch(start: int, end: int) -> bytes:
+            return src.store.read_range(info.name, start, end)
+        old = handle()
+        assert old.ensure(list(range(16)), fetch) is False  # units filled: state and scratch file on disk
+        state_path = os.path.join(src.cache.lock_dir, f"{key_id(src.key(0))}.part")
+        stale = open(state_path, "rb").read()
+        old.close()
+        os.unlink(old.path)  # what reconciliation did to the scratch file
+
+        creating, go = threading.Event(), threading.Event()
+
+        def slow(start: int, end: int) -> bytes:  # the creator's first reads wait: its new file is sparse
+            creating.set()
+            assert go.wait(30)
+            return fetch(start, end)
+        results: dict[str, Any] = {}
+
+        def run(name: str, h: PartialShard, f: Any) -> None:
+            try:
+                h.ensure(list(range(16)), f)
+                results[name] = h.path
+            except BaseException as exc:
+                results[name] = exc
+        creator, reader = handle(), handle()
+        a = threading.Thread(target=run, args=("creator", creator, slow))
+        a.start()
+        assert creating.wait(30)
+        with open(state_path, "wb") as f:  # the stale state, as the other process read it just before
+            f.write(stale)
+        b = threading.Thread(target=run, args=("reader", reader, fetch))
+        b.start()
+        u0 = os.path.join(src.cache.lock_dir, f"{key_id(src.key(0))}.u0.lock")
+        H.wait_for(lambda: "reader" in results or _lock_waited(u0), 30, "the reader to wait for the new copy")
+        go.set()
+        a.join(30)
+        b.join(30)
+        assert not isinstance(results.get("reader"), BaseException), results
+        assert not isinstance(results.get("creator"), BaseException), results
+        for h in (creator, reader):
+            _check(src, 0, PartHandle(h.path), 0, 16)
+            h.close()
     finally:
         src.close()
