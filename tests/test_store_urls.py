@@ -49,7 +49,7 @@ def test_ls_with_a_typo_in_the_endpoint_fails_in_one_line_naming_endpoint_and_ca
         assert "never answered" in lines[0] and "AWS_ENDPOINT_URL" in lines[0] and "typo-secret" not in lines[0]
 
 
-@pytest.mark.parametrize("endpoint, cause", TYPOS)
+@pytest.mark.parametrize("endpoint, cause", TYPOS, ids=["closed-port", "unresolvable-host"])  # ids: the port is random
 def test_streaming_dataset_with_a_typo_in_the_endpoint_raises_unreachable(endpoint: str, cause: str,
                                                                          tmp_path: Path) -> None:
     opts = {"key": "typo-test-key", "secret": "typo-secret", "client_kwargs": {"endpoint_url": endpoint}}
