@@ -4,6 +4,7 @@ so the line users write first is the fast one; resumable like ``StatefulDataLoad
 torch ``DataLoader(ds, batch_size=B)`` still works; anything else is torch's ``DataLoader``."""
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -163,6 +164,24 @@ def test_any_other_dataset_is_torchs_dataloader() -> None:
     again = datacache.DataLoader(list(range(10)), batch_size=4)
     again.load_state_dict(state)
     assert [b.tolist() for b in again] == [[4, 5, 6, 7], [8, 9]]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_creating_and_iterating_it_warns_nothing(url: str, cache: NodeCache, workers: int) -> None:
+    """torchdata's constructor calls torch's deprecated ``set_vital`` (a UserWarning on every
+    loader created, issue 37 point 14): datacache's loader shows the user none of it."""
+    ds = StreamingDataset(url, cache=cache, shuffle=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaders = [datacache.DataLoader(ds, batch_size=50, num_workers=workers),
+                   datacache.DataLoader(list(range(10)), batch_size=4)]
+        assert sum(len(list(loader)) for loader in loaders) == N // 50 + 3
+    ds.close()
+    assert [str(w.message) for w in caught] == []
+    with warnings.catch_warnings(record=True) as caught:  # the ignore lasted only while it was built
+        warnings.simplefilter("always")
+        torch.set_vital("Dataloader", "enabled", "True")
+    assert [str(w.message) for w in caught] == ["'set_vital' is deprecated, please do not call"]
 
 
 def _factory(url: str, cache: NodeCache) -> Any:
