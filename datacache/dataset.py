@@ -28,7 +28,7 @@ import numpy.ma  # noqa: F401 - the plan's np.unique imports it on first use: on
 import numpy.random  # noqa: F401 - the same (each import costs a starting DataLoader worker 40 ms of CPU)
 import torch.utils.data as tud
 
-from ._batches import RingCollator, collate
+from ._batches import RingCollator, collate, sharing
 from ._batchloop import batched
 from ._consumer import Consumer
 from ._headstart import LeadItem, first_chunks
@@ -309,13 +309,15 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
             return
         # Batched mode (datacache._batchloop). The default collation writes batches into a reusable
         # ring (shared with the main process when this is a DataLoader worker): datacache._batches.
-        ring = self._ring(shared=tud.get_worker_info() is not None) if self.collate_fn is collate else None
+        worker = tud.get_worker_info() is not None
+        collate_fn = self._ring(shared=worker) if self.collate_fn is collate else self.collate_fn
+        if worker:  # what the ring did not take goes into shared memory here, where a failure is raised
+            collate_fn = sharing(collate_fn)
 
         def mark(position: int) -> None:  # what state_dict records: the position after the last batch out
             self._delivered = position
 
-        yield from batched(consumer, self._batches(consumer.plan, consumer.skip), ring or self.collate_fn,
-                           transform, mark)
+        yield from batched(consumer, self._batches(consumer.plan, consumer.skip), collate_fn, transform, mark)
         self._flush_stats(consumer)
 
     def _batches(self, plan: ConsumerPlan, skip: int) -> WorkerBatches:
