@@ -203,7 +203,8 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
                         drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,
                         num_workers=num_workers, worker_id=worker_id, batch_size=self.batch_size or 1,
                         num_nodes=self.num_nodes, placement=self.placement, composed=self._composed,
-                        shard_bytes=self.shard_bytes, unit_rows=self.manifest.unit_rows)
+                        shard_bytes=self.shard_bytes, unit_rows=self.manifest.unit_rows,
+                        in_turns=int(not self.shuffle))  # unshuffled: the written order through the loader
         if not (mixes and shuffle):
             return spec
 
