@@ -172,6 +172,7 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         self._consumer: Consumer | None = None
         self._collator: RingCollator | None = None
         self._worker = (0, 1)
+        self._turn = 1  # samples mode in a DataLoader worker: the samples torch batches from one worker at a time
 
     # ------------------------------------------------------------------ plan
     @property
@@ -204,7 +205,7 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
                         num_workers=num_workers, worker_id=worker_id, batch_size=self.batch_size or 1,
                         num_nodes=self.num_nodes, placement=self.placement, composed=self._composed,
                         shard_bytes=self.shard_bytes, unit_rows=self.manifest.unit_rows,
-                        in_turns=int(not self.shuffle))  # unshuffled: the written order through the loader
+                        in_turns=0 if self.shuffle else 1 if self.batch_size else self._turn)  # the written order
         if not (mixes and shuffle):
             return spec
 
@@ -253,7 +254,10 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = tud.get_worker_info()
         self._in_workers.fill_(int(info is not None))
-        self._check_loader(sys._getframe().f_back)
+        caller = sys._getframe().f_back
+        self._check_loader(caller)
+        if info is not None and self.batch_size is None:  # torch's own batches are the turns to deal (plan step 3)
+            self._turn = loader_batch(caller) or 1
         if info is not None:  # a DataLoader worker: stop downloading the moment the training process dies
             die_with_parent()
         if self._resume is not None and self._resume.epoch != self.epoch:

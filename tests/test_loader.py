@@ -198,6 +198,17 @@ def test_unshuffled_batches_come_in_the_written_order(url: str, cache: NodeCache
     ds.close()
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 workers on 2 cores
+@pytest.mark.parametrize("workers", [2, 3])
+def test_unshuffled_samples_batched_by_torch_come_in_the_written_order(url: str, cache: NodeCache,
+                                                                       workers: int) -> None:
+    """The same through torch's own ``DataLoader(batch_size=32)`` over samples mode: the workers
+    are dealt turns of the 32 samples torch batches from one worker at a time."""
+    ds = StreamingDataset(url, cache=cache, shuffle=False)
+    assert [i for b in TorchDataLoader(ds, batch_size=32, num_workers=workers) for i in ids_of(b)] == list(range(N))
+    ds.close()
+
+
 def test_an_unshuffled_state_saved_before_turns_resumes_its_contiguous_shares(url: str, cache: NodeCache) -> None:
     """A state saved before unshuffled batches were dealt in turn (its ``mix`` has five fields)
     resumes the plan it was read with: two workers with 8 contiguous batches each, the first
