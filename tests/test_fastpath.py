@@ -271,10 +271,11 @@ def test_batches_through_rings_are_exact_even_when_all_are_kept(tmp_path: Any, c
 @pytest.mark.parametrize("mode", ["hold", "release"])
 def test_a_full_dev_shm_gives_the_batch_or_the_error_never_a_hang(tmp_path: Any, mode: str) -> None:
     """Issue 37 point 2: /dev/shm fills up under a training loop with two DataLoader workers (a
-    private 48 MB tmpfs, the RAM tier on it too). A loop that keeps every batch runs the rings out
+    private 48 MB tmpfs). A loop that keeps every batch runs the rings out
     of slots, and the batches after need fresh shared memory: the error arrives, one line naming
     /dev/shm and the cause (it used to be dropped in torch's queue feeder thread, and the loop
-    waited for ever). A loop that lets its batches go gets every one, exactly, from the rings."""
+    waited for ever). A loop that lets its batches go gets every one, exactly, from the rings (with
+    the RAM tier in that /dev/shm too, as by default)."""
     from tests.helpers import shm_full_job
 
     n = 2000  # 63 batches of 32: more than the 2 x 16 ring slots

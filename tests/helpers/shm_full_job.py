@@ -1,6 +1,6 @@
 """A training loop whose ``/dev/shm`` fills up under it (issue 37 point 2), run by
 tests/test_fastpath.py as its own process in a private mount namespace with a small tmpfs on
-``/dev/shm`` (``run``), where the RAM tier is too.
+``/dev/shm`` (``run``), where the RAM tier is too in MODE ``release``.
 
 Usage: ``python tests/helpers/shm_full_job.py URL BASE MODE``. Two DataLoader workers yield batches
 of 32; once the second batch is in, this process fills ``/dev/shm`` to its last byte. MODE ``hold``
@@ -47,7 +47,9 @@ def run(url: str, base: Path, mode: str, timeout: float = 120) -> dict[str, Any]
 
 
 def main(url: str, base: str, mode: str) -> int:
-    cfg = CacheConfig(ram_bytes="8MB", ssd_bytes=0, ram_dir="/dev/shm/datacache-job", ssd_dir=f"{base}/ssd")
+    # hold: the RAM tier elsewhere, so that nothing it frees in /dev/shm lets a batch through after all
+    ram_dir = "/dev/shm/datacache-job" if mode == "release" else f"{base}/ram"
+    cfg = CacheConfig(ram_bytes="8MB", ssd_bytes=0, ram_dir=ram_dir, ssd_dir=f"{base}/ssd")
     ds = StreamingDataset(url, cache=cfg, shuffle=False)
     loader = datacache.DataLoader(ds, batch_size=32, num_workers=2)
     ids: list[int] = []
