@@ -71,6 +71,8 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
     - ``cache``: a ``CacheConfig`` (default ``CacheConfig()``, from ``DATACACHE_*`` variables and
       defaults) or an open ``NodeCache`` to share with other datasets.
     - ``shuffle``, ``seed``: the seeded shard and sample shuffle; the same ``seed`` on every rank.
+      ``shuffle=False``: each rank's part (a contiguous stretch) in the written order, also through
+      DataLoader workers, which are dealt its batches in turn, as torch takes them (plan step 3).
     - ``drop_last``: drop the samples that do not divide evenly among ranks, instead of padding.
     - ``window``: shard runs a sample may move across in the sliding-window shuffle (a cold
       epoch's, or one whose node share does not fit in the cache). Default: 4, fewer (down to 1)
