@@ -21,7 +21,10 @@ All of a batch's tensors wrap numpy arrays made from one buffer object over the 
 any array or view made from it lives. Whatever keeps a tensor alive (a view,
 ``.numpy()``, the DataLoader's reorder buffer, a user's list) keeps its slot, so a slot is never
 overwritten while any part of its batch can be read. When every slot is in use the producer does
-not wait: the batch is collated into ordinary memory (``ring.fallbacks`` counts these).
+not wait: the batch is collated into ordinary memory (``ring.fallbacks`` counts these), which a
+DataLoader worker then moves into shared memory itself (``to_shared_memory``): torch's queue would
+do it in its feeder thread, where a full ``/dev/shm`` drops the batch with a printed traceback and
+the training process waits for it for ever; here the error reaches the training process instead.
 
 Files: a worker's ring is a file in ``/dev/shm`` (only a tmpfs, only with twice its size free),
 named ``datacache-batch-<main pid>-<worker pid>-<n>``. The consumer unlinks it when it attaches;
@@ -41,7 +44,7 @@ import operator
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,9 +52,11 @@ import torch
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from ._collate import Field, Layout, assemble, collate, plan
+from .errors import CacheError
 from .tiers import pid_alive as _alive, remove_if_exists as _unlink
 
-__all__ = ["BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "collate", "shm_available"]
+__all__ = ["BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "collate", "sharing", "shm_available",
+           "to_shared_memory"]
 
 _PAGE = mmap.PAGESIZE
 _FREE, _IN_USE = 0, 1  # slot states: one byte per slot in the ring's header page
@@ -161,6 +166,46 @@ class RingCollator:
     def close(self) -> None:
         if self.ring is not None:
             self.ring.close()
+
+
+def to_shared_memory(batch: Any) -> Any:
+    """``batch`` with every CPU tensor in it (through mappings, lists and tuples) moved into shared
+    memory now, in place, as torch's queue would move it when it sends the batch to the training
+    process. Called in a DataLoader worker on each batch before it is handed to torch, so that a
+    full ``/dev/shm`` raises here, in the worker's iteration (torch then re-raises it in the
+    training process), and not in the queue's feeder thread, which prints it, drops the batch, and
+    leaves the training process waiting for ever. Ring batches (``ShmTensor``) and tensors already
+    shared (``default_collate``'s in a worker) cost a type check each. Thread-safe for distinct
+    batches."""
+    if isinstance(batch, torch.Tensor):
+        if batch.layout == torch.strided and batch.device.type == "cpu" and not batch.is_shared():
+            _share(batch)
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            to_shared_memory(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            to_shared_memory(value)
+    return batch
+
+
+def sharing(collate_fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """``collate_fn`` whose batches are in shared memory when it returns (``to_shared_memory``)."""
+    def collate_shared(samples: list[Any]) -> Any:
+        return to_shared_memory(collate_fn(samples))
+
+    return collate_shared
+
+
+def _share(t: torch.Tensor) -> None:
+    try:
+        t.share_memory_()
+    except RuntimeError as exc:  # torch's: "unable to allocate shared memory(shm) for file </torch_...>: <cause>"
+        cause = str(exc).rsplit(": ", 1)[-1]
+        raise CacheError(f"{_SHM_DIR} has no room for a batch tensor of {t.nbytes} bytes ({cause}): DataLoader workers "
+                         "hand their batches to the training process through shared memory there; free space in it "
+                         "or make it larger (docker run --shm-size), or use fewer workers or smaller batches",
+                         url=_SHM_DIR) from exc
 
 
 class ShmBatch:

@@ -81,6 +81,24 @@ class Pieces:
         hi[-1] -= self.ends[j] - b
         return Pieces(shard, lo, hi)
 
+    def blocks(self, size: int, first: int, step: int) -> "Pieces":
+        """The positions of blocks ``first``, ``first + step``, ``first + 2 * step``, ... in that
+        order, block ``k`` being positions ``k * size .. (k + 1) * size - 1`` (the last one may be
+        short): one consumer's batches when a rank's batches are dealt in turn. O(pieces + blocks)."""
+        n = len(self)
+        if n == 0 or first >= -(-n // size):
+            return Pieces.empty()
+        starts = self.ends - (self.hi - self.lo)
+        mine = np.arange(first, -(-n // size), step, dtype=np.int64) * size
+        cuts = np.unique(np.concatenate([starts, mine, np.minimum(mine + size, n)]))
+        cuts = cuts[cuts < n]
+        seg_end = np.append(cuts[1:], n)
+        keep = (cuts // size) % step == first  # a segment lies in one block: every block bound of ours is a cut
+        a, b = cuts[keep], seg_end[keep]
+        i = np.searchsorted(self.ends, a, side="right")  # its piece: every piece start is a cut too
+        lo = self.lo[i] + (a - starts[i])
+        return Pieces(self.shard[i], lo, lo + (b - a))
+
     def largest_run_last(self, among: int) -> "Pieces":
         """The same pieces with the largest of the last ``among`` runs (consecutive pieces of one
         shard, as ``runs`` merges them; never the first run, and of equal ones the latest) moved

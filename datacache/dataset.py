@@ -28,7 +28,7 @@ import numpy.ma  # noqa: F401 - the plan's np.unique imports it on first use: on
 import numpy.random  # noqa: F401 - the same (each import costs a starting DataLoader worker 40 ms of CPU)
 import torch.utils.data as tud
 
-from ._batches import RingCollator, collate
+from ._batches import RingCollator, collate, sharing
 from ._batchloop import batched
 from ._consumer import Consumer
 from ._headstart import LeadItem, first_chunks
@@ -74,6 +74,8 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
     - ``cache``: a ``CacheConfig`` (default ``CacheConfig()``, from ``DATACACHE_*`` variables and
       defaults) or an open ``NodeCache`` to share with other datasets.
     - ``shuffle``, ``seed``: the seeded shard and sample shuffle; the same ``seed`` on every rank.
+      ``shuffle=False``: each rank's part (a contiguous stretch) in the written order, also through
+      DataLoader workers, which are dealt its batches in turn, as torch takes them (plan step 3).
     - ``drop_last``: drop the samples that do not divide evenly among ranks, instead of padding.
     - ``window``: shard runs a sample may move across in the sliding-window shuffle (a cold
       epoch's, or one whose node share does not fit in the cache). Default: 4, fewer (down to 1)
@@ -184,6 +186,7 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         self._consumer: Consumer | None = None
         self._collator: RingCollator | None = None
         self._worker = (0, 1)
+        self._turn = 1  # samples mode in a DataLoader worker: the samples torch batches from one worker at a time
 
     # ------------------------------------------------------------------ plan
     @property
@@ -239,7 +242,8 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
                         drop_last=self.drop_last, dp_size=self.dp_size, dp_rank=self.dp_rank,
                         num_workers=num_workers, worker_id=worker_id, batch_size=self.batch_size or 1,
                         num_nodes=self.num_nodes, placement=self.placement, composed=self._composed,
-                        shard_bytes=self.shard_bytes, unit_rows=self.manifest.unit_rows)
+                        shard_bytes=self.shard_bytes, unit_rows=self.manifest.unit_rows,
+                        in_turns=0 if self.shuffle else 1 if self.batch_size else self._turn)  # the written order
         if not (mixes and shuffle):
             return spec
 
@@ -314,7 +318,10 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
         self._check_current(iteration)
         info = tud.get_worker_info()
         self._in_workers.fill_(int(info is not None))
-        self._check_loader(sys._getframe().f_back)
+        caller = sys._getframe().f_back
+        self._check_loader(caller)
+        if info is not None and self.batch_size is None:  # torch's own batches are the turns to deal (plan step 3)
+            self._turn = loader_batch(caller) or 1
         if info is not None:  # a DataLoader worker: stop downloading the moment the training process dies
             die_with_parent()
         if self._resume is not None and self._resume.epoch != self.epoch:
@@ -386,12 +393,15 @@ class StreamingDataset(ResumeMixin, tud.IterableDataset):
             return
         # Batched mode (datacache._batchloop). The default collation writes batches into a reusable
         # ring (shared with the main process when this is a DataLoader worker): datacache._batches.
-        ring = self._ring(shared=tud.get_worker_info() is not None) if self.collate_fn is collate else None
+        worker = tud.get_worker_info() is not None
+        collate_fn = self._ring(shared=worker) if self.collate_fn is collate else self.collate_fn
+        if worker:  # what the ring did not take goes into shared memory here, where a failure is raised
+            collate_fn = sharing(collate_fn)
 
         def mark(position: int) -> None:  # what state_dict records: the position after the last batch out
             self._delivered = position
 
-        batches = batched(consumer, self._batches(consumer.plan, consumer.skip), ring or self.collate_fn, transform, mark)
+        batches = batched(consumer, self._batches(consumer.plan, consumer.skip), collate_fn, transform, mark)
         try:
             for batch in batches:
                 yield batch

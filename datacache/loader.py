@@ -19,6 +19,7 @@ samples-mode ``StreamingDataset`` keeps working as before (the slow path).
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,12 @@ from ._rounds import Rounds
 from .dataset import StreamingDataset
 
 __all__ = ["DataLoader"]
+
+# torchdata 0.11's StatefulDataLoader.__init__ calls torch.set_vital, which torch >= 2.9 keeps only
+# as a deprecated no-op that warns on every call: the warning is torchdata's, not the user's, so
+# it is ignored while that constructor runs, and only it (warnings.catch_warnings swaps the
+# process's filters for that time, as any caller that builds a loader in one thread does).
+_NO_VITAL = "'set_vital' is deprecated"
 
 
 class DataLoader(StatefulDataLoader):
@@ -85,9 +92,11 @@ class DataLoader(StatefulDataLoader):
             batch_size, collate_fn, drop_last = None, None, False
             kwargs.pop("snapshot_every_n_steps", None)
             self._plain = dict(batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **kwargs)
-        super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-                         batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
-                         pin_memory=pin_memory, drop_last=drop_last, **kwargs)
+        with warnings.catch_warnings():  # see _NO_VITAL
+            warnings.filterwarnings("ignore", message=_NO_VITAL, category=UserWarning)
+            super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                             pin_memory=pin_memory, drop_last=drop_last, **kwargs)
         self._head: HeadStart | None = None  # this iteration's (datacache._headstart)
         self._reopen()
 

@@ -22,7 +22,11 @@ use of every shard for clairvoyant eviction. Steps:
    In batched mode (``batch_size`` > 1) ``drop_last=True`` also drops a rank's last partial batch
    (the remainder of the order modulo ``dp_size * batch_size``): every batch is full.
 3. Workers: a rank's part is cut into batches of ``batch_size`` (1 in samples mode) and the
-   batches into ``num_workers`` contiguous parts (batch counts differ by at most 1). Only the
+   batches into ``num_workers`` contiguous parts (batch counts differ by at most 1), so that each
+   worker reads shards of its own. Unshuffled (``in_turns``), the batches are dealt in turn
+   instead: worker ``w`` gets batches ``w``, ``w + num_workers``, ... of the rank (in samples
+   mode, turns of as many samples as a torch DataLoader batches from one worker), which is the
+   order torch's DataLoader takes them in, so the training loop gets the written order. Only the
    rank's last batch may be short (the last of the worker that holds it): the rank yields
    ``ceil(samples / batch_size)`` batches whatever ``num_workers`` is, which is what the
    dataset's ``len()`` says.
@@ -87,7 +91,10 @@ class PlanSpec:
     part holds 64 samples or more (``datacache._partmix``; 0: it does not, as in states saved
     before it). ``part_strata``: where > 0, that part mix reads its parts in rounds over as many
     spans of the dataset by write position, not in a uniform permutation (0: as in states saved
-    before it)."""
+    before it). ``in_turns``: ``k`` > 0 deals a rank's batches to its workers in turns of ``k``
+    batches, 0 in contiguous shares (step 3; an unshuffled ``StreamingDataset`` plans with 1, or in
+    samples mode with the batch size of the torch DataLoader that batches its samples; states
+    saved before it with 0)."""
 
     seed: int = 0
     epoch: int = 0
@@ -109,6 +116,7 @@ class PlanSpec:
     part_narrow: int = 0
     part_strata: int = 0
     unit_rows: int = 0
+    in_turns: int = 0
     shard_bytes: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -257,7 +265,9 @@ def split_even(order: np.ndarray, parts: int, drop_last: bool, unit: int = 1) ->
 def _worker_pieces(rank: Pieces, spec: PlanSpec, worker: int) -> Pieces:
     """Worker ``worker``'s share of whole batches of its rank's order ``rank``, its runs in the
     order it reads them (shuffled: the largest of its last ``window`` runs moved to its end, see
-    step 4 of the module docstring)."""
+    step 4 of the module docstring; ``in_turns``: every ``num_workers``-th batch, step 3)."""
+    if spec.in_turns:
+        return rank.blocks(spec.batch_size * spec.in_turns, worker, max(spec.num_workers, 1))
     bounds = _worker_bounds(len(rank), spec.num_workers, spec.batch_size)
     mine = rank.cut(bounds[worker], bounds[worker + 1])
     return mine.largest_run_last(spec.window) if spec.shuffle else mine

@@ -40,15 +40,18 @@ __all__ = ["STATE_VERSION", "NO_MIX", "Link", "ResumeState", "start_state", "ran
            "resume_plan", "resume_spec", "plan_mix"]
 
 STATE_VERSION = 2
-NO_MIX = (0, 1, 0, 0, 0)  # (mix_bytes, mix_from, part_bytes, part_narrow, part_strata) of a plan with neither mix
-_MIX_FIELDS = ("mix_bytes", "mix_from", "part_bytes", "part_narrow", "part_strata")  # the PlanSpec fields of ``mix``
+# ``mix``: the PlanSpec fields a state records because its epoch's plan was read with them (the
+# node-mix and part-mix decision, and whether the batches were dealt to the workers in turn)
+_MIX_FIELDS = ("mix_bytes", "mix_from", "part_bytes", "part_narrow", "part_strata", "in_turns")
+NO_MIX = (0, 1, 0, 0, 0, 0)  # a plan with neither mix, its batches in contiguous shares
 
 
 def _check_mix(mix: Any) -> tuple[int, ...]:
-    """``mix`` as (mix_bytes, mix_from, part_bytes, part_narrow, part_strata); a state saved before
-    the part mix has only the first two, one saved before its narrowing end the first three, one
-    saved before its strata the first four (their epochs were read without them: 0), so that it
-    resumes the order it was saved in."""
+    """``mix`` as (mix_bytes, mix_from, part_bytes, part_narrow, part_strata, in_turns); a state
+    saved before the part mix has only the first two, one saved before its narrowing end the first
+    three, one saved before its strata the first four, one saved before batches were dealt in turn
+    the first five (their epochs were read without them: 0), so that it resumes the order it was
+    saved in."""
     if not (isinstance(mix, tuple) and 2 <= len(mix) <= len(_MIX_FIELDS)
             and all(isinstance(v, (int, np.integer)) and v >= 0 for v in mix)):
         raise ValueError(f"resume state: mix={mix!r}, expected ({', '.join(_MIX_FIELDS)}) integers >= 0; {_HOW}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -264,3 +265,29 @@ def test_batches_through_rings_are_exact_even_when_all_are_kept(tmp_path: Any, c
     gc.collect()
     ds.close()
     assert _ring_files() <= before, "a batch ring file was left in /dev/shm"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["hold", "release"])
+def test_a_full_dev_shm_gives_the_batch_or_the_error_never_a_hang(tmp_path: Any, mode: str) -> None:
+    """Issue 37 point 2: /dev/shm fills up under a training loop with two DataLoader workers (a
+    private 48 MB tmpfs). A loop that keeps every batch runs the rings out
+    of slots, and the batches after need fresh shared memory: the error arrives, one line naming
+    /dev/shm and the cause (it used to be dropped in torch's queue feeder thread, and the loop
+    waited for ever). A loop that lets its batches go gets every one, exactly, from the rings (with
+    the RAM tier in that /dev/shm too, as by default)."""
+    from tests.helpers import shm_full_job
+
+    n = 2000  # 63 batches of 32: more than the 2 x 16 ring slots
+    url = f"file://{tmp_path}/ds"
+    write_dataset(({"i": i, "x": np.full(1024, i, np.int32)} for i in range(n)), url, shard_bytes=200_000,
+                  progress=False)
+    got = shm_full_job.run(url, tmp_path, mode)
+    ids = got["ids"]
+    assert len(set(ids)) == len(ids) and set(ids) <= set(range(n)), "a batch came twice or with wrong samples"
+    if mode == "release":
+        assert got["error"] is None and sorted(ids) == list(range(n))
+    else:
+        assert got["error"] is not None and len(ids) < n, got
+        assert re.match(r"CacheError: (datacache\.errors\.CacheError: )?/dev/shm has no room for a batch tensor of "
+                        r"\d+ bytes \(No space left on device.*--shm-size", got["error"]), got["error"]

@@ -4,6 +4,7 @@ so the line users write first is the fast one; resumable like ``StatefulDataLoad
 torch ``DataLoader(ds, batch_size=B)`` still works; anything else is torch's ``DataLoader``."""
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -164,6 +165,82 @@ def test_any_other_dataset_is_torchs_dataloader() -> None:
     again = datacache.DataLoader(list(range(10)), batch_size=4)
     again.load_state_dict(state)
     assert [b.tolist() for b in again] == [[4, 5, 6, 7], [8, 9]]
+
+
+def _written(batch: Any) -> list[int]:
+    return ids_of(batch) if isinstance(batch["i"], torch.Tensor) and batch["i"].dim() else [int(batch["i"])]
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 workers on 2 cores
+@pytest.mark.parametrize("workers, batch_size", [(0, 32), (1, 32), (2, 32), (3, 32), (3, 7), (2, None)])
+def test_unshuffled_batches_come_in_the_written_order(url: str, cache: NodeCache, workers: int,
+                                                      batch_size: int | None) -> None:
+    """Issue 37 point 6: ``shuffle=False`` through ``datacache.DataLoader`` gives the written order
+    for any ``num_workers`` (each worker is dealt every ``num_workers``-th batch, as torch takes
+    them), also on another rank (its contiguous part), and resumed mid-epoch, with the same or
+    another number of workers."""
+    ds = StreamingDataset(url, cache=cache, shuffle=False)
+    loader = datacache.DataLoader(ds, batch_size=batch_size, num_workers=workers)
+    assert [i for b in loader for i in _written(b)] == list(range(N))
+    it = iter(loader)
+    head = [i for _ in range(5) for i in _written(next(it))]
+    state = loader.state_dict()
+    del it
+    ds.close()
+    for resumed_workers in {workers, 2}:
+        ds = StreamingDataset(url, cache=cache, shuffle=False)
+        again = datacache.DataLoader(ds, batch_size=batch_size, num_workers=resumed_workers)
+        again.load_state_dict(state)
+        assert head + [i for b in again for i in _written(b)] == list(range(N)), f"resumed with {resumed_workers}"
+        ds.close()
+    ds = StreamingDataset(url, cache=cache, shuffle=False, dp_rank=1, dp_size=2)
+    assert [i for b in datacache.DataLoader(ds, batch_size=batch_size, num_workers=workers)
+            for i in _written(b)] == list(range(N // 2, N))
+    ds.close()
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 workers on 2 cores
+@pytest.mark.parametrize("workers", [2, 3])
+def test_unshuffled_samples_batched_by_torch_come_in_the_written_order(url: str, cache: NodeCache,
+                                                                       workers: int) -> None:
+    """The same through torch's own ``DataLoader(batch_size=32)`` over samples mode: the workers
+    are dealt turns of the 32 samples torch batches from one worker at a time."""
+    ds = StreamingDataset(url, cache=cache, shuffle=False)
+    assert [i for b in TorchDataLoader(ds, batch_size=32, num_workers=workers) for i in ids_of(b)] == list(range(N))
+    ds.close()
+
+
+def test_an_unshuffled_state_saved_before_turns_resumes_its_contiguous_shares(url: str, cache: NodeCache) -> None:
+    """A state saved before unshuffled batches were dealt in turn (its ``mix`` has five fields)
+    resumes the plan it was read with: two workers with 8 contiguous batches each, the first
+    having delivered 2 batches (samples 0-63), the second 1 (256-287)."""
+    ds = StreamingDataset(url, cache=cache, shuffle=False)
+    loader = datacache.DataLoader(ds, batch_size=32, num_workers=2)
+    old = {**loader.state_dict(), "consumed": [64, 32], "next_worker": 1}
+    old["mix"] = old["mix"][:5]
+    loader.load_state_dict(old)
+    rest = [i for b in loader for i in ids_of(b)]
+    assert sorted(rest + list(range(64)) + list(range(256, 288))) == list(range(N))
+    assert rest[:32] == list(range(288, 320)) and rest[32:64] == list(range(64, 96))  # worker 1's turn next
+    ds.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_creating_and_iterating_it_warns_nothing(url: str, cache: NodeCache, workers: int) -> None:
+    """torchdata's constructor calls torch's deprecated ``set_vital`` (a UserWarning on every
+    loader created, issue 37 point 14): datacache's loader shows the user none of it."""
+    ds = StreamingDataset(url, cache=cache, shuffle=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaders = [datacache.DataLoader(ds, batch_size=50, num_workers=workers),
+                   datacache.DataLoader(list(range(10)), batch_size=4)]
+        assert sum(len(list(loader)) for loader in loaders) == N // 50 + 3
+    ds.close()
+    assert [str(w.message) for w in caught] == []
+    with warnings.catch_warnings(record=True) as caught:  # the ignore lasted only while it was built
+        warnings.simplefilter("always")
+        torch.set_vital("Dataloader", "enabled", "True")
+    assert [str(w.message) for w in caught] == ["'set_vital' is deprecated, please do not call"]
 
 
 def _factory(url: str, cache: NodeCache) -> Any:

@@ -111,7 +111,7 @@ def test_a_state_resumes_the_stream_and_end_it_was_read_with(saved: tuple[int, .
                     mix=plan_mix(spec)).to_dict()
     d["mix"] = list(saved)
     state = ResumeState.from_dict(d)
-    assert state.mix == (saved + (0, 0))[:5]
+    assert state.mix == (saved + (0, 0, 0))[:6]
     resumed = resume_spec(spec, state)
-    assert (resumed.part_narrow, resumed.part_strata) == state.mix[3:]
+    assert (resumed.part_narrow, resumed.part_strata) == state.mix[3:5]
     assert plan_mix(resumed) == state.mix

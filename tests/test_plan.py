@@ -22,7 +22,8 @@ def specs(draw: st.DrawFn) -> PlanSpec:
     return PlanSpec(seed=draw(st.integers(0, 2**31 - 1)), epoch=draw(st.integers(0, 1000)),
                     shuffle=draw(st.booleans()), window=draw(st.integers(1, 5)), drop_last=draw(st.booleans()),
                     dp_size=draw(st.integers(1, 5)), num_workers=draw(st.integers(1, 4)),
-                    mix_bytes=draw(st.sampled_from([0, 0, 1 << 40])), chunk_bytes=draw(st.integers(1, 60)))
+                    mix_bytes=draw(st.sampled_from([0, 0, 1 << 40])), chunk_bytes=draw(st.integers(1, 60)),
+                    in_turns=draw(st.integers(0, 1)))
 
 
 def shard_of(counts: list[int], ids: np.ndarray) -> np.ndarray:
@@ -63,12 +64,30 @@ def test_epochs_and_seeds_reshuffle(counts: list[int], seed: int, epoch: int, wi
 @SETTINGS
 @given(counts_st, specs())
 def test_no_shuffle_keeps_global_order(counts: list[int], spec: PlanSpec) -> None:
-    spec = replace(spec, shuffle=False)
+    spec = replace(spec, shuffle=False, in_turns=0)
     plans = all_plans(counts, spec)
     got = np.concatenate([plans[r, w].samples for r in range(spec.dp_size) for w in range(spec.num_workers)])
     pieces, padded = split_even(np.arange(sum(counts)), spec.dp_size, spec.drop_last)
     assert np.array_equal(got, np.concatenate(pieces))
     assert padded == plans[0, 0].padded
+
+
+@SETTINGS
+@given(counts_st, specs(), st.integers(1, 7))
+def test_batches_dealt_in_turn_come_in_the_global_order(counts: list[int], spec: PlanSpec, batch_size: int) -> None:
+    """``in_turns`` (an unshuffled dataset's plan, issue 37 point 6): each rank's batches taken
+    from its workers in turn, as torch's DataLoader takes them, are the rank's part of the global
+    order; every worker but the one with the rank's last batch holds whole batches."""
+    spec = replace(spec, shuffle=False, in_turns=1, batch_size=batch_size)
+    plans = all_plans(counts, spec)
+    pieces, _ = split_even(np.arange(sum(counts)), spec.dp_size, spec.drop_last, unit=batch_size)
+    for r in range(spec.dp_size):
+        batches = [np.array_split(plans[r, w].samples, range(batch_size, len(plans[r, w]), batch_size))
+                   for w in range(spec.num_workers)]
+        taken = [b[k] for k in range(max(map(len, batches))) for b in batches if k < len(b) and len(b[k])]
+        got = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
+        assert np.array_equal(got, pieces[r])
+        assert sum(len(b[-1]) < batch_size for b in batches if b and len(b[-1])) <= 1
 
 
 @SETTINGS
