@@ -17,33 +17,42 @@ Public API (guarded by ``tests/test_api.py``)::
 from __future__ import annotations
 
 from ._version import __version__
-
-from .cache import CacheHandle, NodeCache
+from .cache.eviction import ClairvoyantPolicy, LRUPolicy, Schedule
+from .cache.node import CacheHandle, NodeCache
 from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
-from .errors import (CacheError, DatacacheError, DatasetExistsError, IntegrityError, ManifestError, NotFoundError,
-                     PermissionDeniedError, ReaderError, StorageError, ThrottledError, TransientStorageError,
-                     UnreachableError)
-from .eviction import ClairvoyantPolicy, LRUPolicy, Schedule
+from .errors import (
+    CacheError,
+    DatacacheError,
+    DatasetExistsError,
+    IntegrityError,
+    ManifestError,
+    NotFoundError,
+    PermissionDeniedError,
+    ReaderError,
+    StorageError,
+    ThrottledError,
+    TransientStorageError,
+    UnreachableError,
+)
 from .manifest import Manifest, ShardInfo, load_manifest
-from .storage import Store, open_store
-from .streams import Stream
+from .mixing.streams import Stream
+from .store.storage import Store, open_store
 from .writer import DatasetWriter, write_dataset
-
 
 
 def __getattr__(name: str) -> object:
     # StreamingDataset subclasses torch's IterableDataset: import torch only when it is used, so
     # the CLI and the cache start fast.
     if name == "StreamingDataset":
-        from .dataset import StreamingDataset
+        from .pytorch.dataset import StreamingDataset
 
         return StreamingDataset
     if name == "DataLoader":
-        from .loader import DataLoader
+        from .pytorch.loader import DataLoader
 
         return DataLoader
     if name == "CachedDataset":
-        from .mapped import CachedDataset
+        from .pytorch.mapped import CachedDataset
 
         return CachedDataset
     raise AttributeError(f"module 'datacache' has no attribute {name!r}")

@@ -57,7 +57,7 @@ class RetryConfig:
     ``ThrottledError`` or ``TransientStorageError`` names the URL. ``attempts`` additionally bounds
     the count when set (``None``: only the deadline counts). Permanent errors (403, 404, other 4xx)
     are never retried. Unavailable: exponential backoff with full jitter between ``base_delay`` and
-    ``max_delay`` per operation; throttled: the node backs off as a whole (``datacache.congestion``:
+    ``max_delay`` per operation; throttled: the node backs off as a whole (``datacache.store.congestion``:
     its request window halves and its gate waits ``base_delay`` doubling up to ``max_delay``).
 
     ``connect_deadline``: a store that has never answered this ``Store`` (nor the one it was
@@ -85,7 +85,7 @@ class TransferConfig:
     Two hide a 20 ms request latency at 50 MB/s; raise it for links with a large bandwidth x latency
     product (DataLoader workers each have their own store, so a node has workers x max_requests).
     Every process of the node also shares one congestion window per store prefix (at most
-    ``datacache.congestion.MAX_WINDOW`` requests in flight, halved on each throttling answer).
+    ``datacache.store.congestion.MAX_WINDOW`` requests in flight, halved on each throttling answer).
 
     ``range_requests``: the same cap for the small ranged reads of partial copies (a block of a
     shard at a time: ``ShardSource.load_rows``), in flight beside them: a 1 MB read needs more in

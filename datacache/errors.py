@@ -22,7 +22,7 @@ Every error names the URL or path it concerns, says what was expected, and what 
 
 Backend errors are translated where they enter (``raise ... from exc``), so the original cause
 stays chained in ``__cause__``. Credentials never appear in messages. Reader failures enter at the
-one shard path (``datacache.shards``), which turns every ``readers.ReaderError`` into a
+one shard path (``datacache.read.shard_source``), which turns every ``readers.ReaderError`` into a
 ``datacache.ReaderError`` naming the shard's URL; ``except datacache.ReaderError`` and ``except
 datacache.DatacacheError`` therefore catch every reader failure from every entry point.
 """
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import readers
+from . import readers
 
 __all__ = [
     "DatacacheError",

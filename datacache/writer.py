@@ -24,16 +24,15 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import readers
-from readers import codec
-
+from . import readers
 from ._version import __version__
 from .config import parse_size
 from .errors import DatacacheError, DatasetExistsError
 from .hashing import hash_file
-from .progress import Progress
 from .manifest import MANIFEST_NAME, Manifest, ShardInfo, load_manifest
-from .storage import Store, open_store
+from .progress import Progress
+from .readers import codec
+from .store.storage import Store, open_store
 
 __all__ = ["DatasetWriter", "write_dataset"]
 
@@ -161,7 +160,7 @@ class DatasetWriter:
             self.abort()
             raise
         extra: dict[str, Any] = {"written_by": f"datacache {__version__}", "write_id": self.write_id}
-        if self._unit_rows:  # the part mix cuts its parts along units (datacache._partmix.part_rows)
+        if self._unit_rows:  # the part mix cuts its parts along units (datacache.plan.part_shuffle.part_rows)
             extra["unit_rows"] = int(statistics.median_low(self._unit_rows))
         manifest = Manifest(format=self._fmt.name, schema=self.schema or {}, shards=tuple(self._shards),
                             extra=extra)

@@ -4,19 +4,41 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import datacache
-import readers
-from tests.helpers.layers import circles, import_graph
+from datacache import readers
+from tests.helpers.layers import absolute_imports, circles, depth, import_graph, modules
 
 EXPECTED = {
     "__version__", "write_dataset", "DatasetWriter", "Manifest", "ShardInfo", "load_manifest", "open_store", "Store",
-    "NodeCache", "CacheHandle", "LRUPolicy", "ClairvoyantPolicy", "Schedule", "StreamingDataset", "DataLoader", "CachedDataset", "Stream", "CacheConfig",
-    "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size", "DatacacheError", "StorageError",
-    "TransientStorageError", "ThrottledError", "UnreachableError", "NotFoundError", "PermissionDeniedError",
-    "ManifestError",
-    "IntegrityError",
-    "ReaderError", "CacheError", "DatasetExistsError",
+    "NodeCache", "CacheHandle", "LRUPolicy", "ClairvoyantPolicy", "Schedule", "StreamingDataset", "DataLoader",
+    "CachedDataset", "Stream", "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size",
+    "DatacacheError", "StorageError", "TransientStorageError", "ThrottledError", "UnreachableError", "NotFoundError",
+    "PermissionDeniedError", "ManifestError", "IntegrityError", "ReaderError", "CacheError", "DatasetExistsError",
 }
+ROOT = pathlib.Path(datacache.__file__).parent
+LAYERS = ("store", "cache", "plan", "mixing", "read", "pytorch", "cli")
+# which layer may import which (a layer may always import itself). "base" is datacache's top-level modules
+# (config, errors, manifest, hashing, progress, dist, _localfs, _version, _torchcompat); "writer" writes datasets.
+MAY_IMPORT = {
+    "base": {"readers"},
+    "store": {"base"},
+    "cache": {"base", "readers"},
+    "plan": {"base"},
+    "writer": {"base", "store", "readers"},
+    "read": {"base", "store", "cache", "plan", "readers"},
+    "mixing": {"base", "store", "cache", "plan", "read"},
+    "pytorch": {"base", "store", "cache", "plan", "read", "mixing", "readers"},
+    "cli": {"base", "store", "cache", "plan", "read", "mixing", "writer", "readers"},
+}
+
+
+def layer(module: str) -> str:
+    head = module.split(".")[0]
+    if head in LAYERS or head in ("readers", "__init__", "writer"):
+        return {"__init__": "api"}.get(head, head)
+    return "base"
 
 
 def test_all_is_guarded() -> None:
@@ -26,29 +48,50 @@ def test_all_is_guarded() -> None:
 
 
 def test_every_module_declares_all() -> None:
-    for mod in ("datacache.cache", "datacache.config", "datacache.dataset", "datacache.errors", "datacache.eviction",
-                "datacache.manifest", "datacache.mapped", "datacache.plan", "datacache.prefetch", "datacache.resume",
-                "datacache.storage", "datacache.writer", "datacache.shards", "datacache.nodeplan", "datacache.congestion", "datacache.streams",
-                "readers", "readers.codec"):
-        m = importlib.import_module(mod)
-        for name in m.__all__:
-            assert hasattr(m, name), f"{mod}.{name}"
+    for mod in sorted(modules(ROOT)):
+        name = "datacache" if mod == "__init__" else f"datacache.{mod}"
+        if name.endswith("__main__"):
+            continue
+        m = importlib.import_module(name)
+        assert hasattr(m, "__all__"), f"{name} declares no __all__"
+        for attr in m.__all__:
+            assert hasattr(m, attr), f"{name}.{attr}"
+    for name in ("datacache.readers", "datacache.readers.codec"):
+        m = importlib.import_module(name)
+        for attr in m.__all__:
+            assert hasattr(m, attr), f"{name}.{attr}"
 
 
-def test_only_storage_imports_fsspec() -> None:
-    root = pathlib.Path(datacache.__file__).parent
-    users = sorted(p.name for p in root.glob("*.py") if "import fsspec" in p.read_text() or "from fsspec" in p.read_text())
-    assert users == ["storage.py"]
+def test_only_the_store_imports_fsspec() -> None:
+    users = sorted(m for m, p in modules(ROOT).items() if {"fsspec", "s3fs"} & absolute_imports(p))
+    assert users and all(m.startswith("store.") for m in users), users
+
+
+def test_readers_import_nothing_of_datacache() -> None:
+    """readers/ turns a local shard into samples: no cache, no network, no import of the rest of datacache."""
     for p in pathlib.Path(readers.__file__).parent.glob("*.py"):
-        text = p.read_text()
-        assert "import fsspec" not in text and "from datacache" not in text and "import datacache" not in text, p.name
+        assert not {"datacache", "fsspec", "s3fs"} & absolute_imports(p), p.name
+    graph = import_graph(pathlib.Path(readers.__file__).parent)
+    assert all(dep in graph or dep == "__init__" for deps in graph.values() for dep in deps)
+
+
+def test_the_wheel_installs_no_generic_top_level_name(tmp_path: pathlib.Path) -> None:
+    """readers/ is installed as datacache.readers: the distribution claims the name datacache alone."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml")
+    conf = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert all(p == "datacache" or p.startswith("datacache.") for p in conf["packages"]), conf["packages"]
+    assert conf["package-dir"]["datacache.readers"] == "readers"
+    assert readers.__name__ == "datacache.readers"
+    code = ("import sys, datacache, datacache.cli.commands, datacache.pytorch.dataset, datacache.readers; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'readers'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_version_and_cli_help() -> None:
-    out = subprocess.run([sys.executable, "-c", "import datacache, readers; print(datacache.__version__)"],
+    out = subprocess.run([sys.executable, "-c", "import datacache, datacache.readers; print(datacache.__version__)"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == datacache.__version__
-    # the installed command's --help and --version (was: named for --help but never ran it)
     cli = [sys.executable, "-m", "datacache.cli"]
     help_ = subprocess.run([*cli, "--help"], capture_output=True, text=True, timeout=120)
     assert help_.returncode == 0 and help_.stdout.startswith("usage: datacache"), help_.stderr
@@ -58,10 +101,34 @@ def test_version_and_cli_help() -> None:
     assert version.returncode == 0 and datacache.__version__ in version.stdout, version.stderr
 
 
-def test_no_import_circle_and_no_module_imports_the_package_above_it() -> None:
-    """datacache's modules import each other one way (no circle, TYPE_CHECKING imports included),
-    and none imports the package's ``__init__`` (the top of the house)."""
-    graph = import_graph(pathlib.Path(datacache.__file__).parent)
+def test_no_import_circle_even_through_package_inits() -> None:
+    """Modules import each other one way, also counting the ``__init__`` Python runs before a
+    subpackage's module (TYPE_CHECKING and function-local imports included)."""
+    graph = import_graph(ROOT, with_inits=True)
     assert not circles(graph), f"import circles through {circles(graph)}"
-    assert not [m for m, deps in graph.items() if "__init__" in deps and m != "__init__"]
 
+
+def test_no_module_imports_a_package_above_it() -> None:
+    """No module imports the ``__init__`` of datacache or of its own subpackage (the top of its house)."""
+    graph = import_graph(ROOT)
+    for m, deps in graph.items():
+        own = m.split(".")[0] if "." in m else None
+        assert "__init__" not in deps or m == "__init__", f"{m} imports datacache's __init__"
+        assert own is None or own not in deps, f"{m} imports its own package's __init__"
+
+
+@pytest.mark.parametrize("importer", sorted(MAY_IMPORT))
+def test_each_layer_imports_only_the_layers_below_it(importer: str) -> None:
+    graph = import_graph(ROOT)
+    bad = {f"{m} -> {d}" for m, deps in graph.items() if layer(m) == importer
+           for d in deps if layer(d) != importer and layer(d) not in MAY_IMPORT[importer]}
+    assert not bad, f"{importer} may import only {sorted(MAY_IMPORT[importer])}: {sorted(bad)}"
+
+
+def test_the_import_graph_is_at_most_ten_levels_deep() -> None:
+    """The longest chain of imports that run (type checkers' imports aside) from the CLI down."""
+    inner = set(modules(ROOT)) - set(LAYERS) - {"__init__"}
+    graph = {m: deps & inner for m, deps in import_graph(ROOT, runtime_only=True).items()}
+    chain = depth(graph, "cli.main")
+    assert len(chain) <= 10, " -> ".join(chain)
+    assert max(len(depth(graph, m)) for m in graph) <= 11  # the package __init__ sits one above the CLI

@@ -13,9 +13,17 @@ from typing import Any
 
 import pytest
 
+from datacache import (
+    IntegrityError,
+    Manifest,
+    ManifestError,
+    NotFoundError,
+    PermissionDeniedError,
+    ReaderError,
+    StreamingDataset,
+    open_store,
+)
 from tests.helpers import faults as H
-from datacache import (IntegrityError, Manifest, ManifestError, NotFoundError, PermissionDeniedError, ReaderError,
-                       StreamingDataset, open_store)
 
 SIZE = 1000
 N = 40  # 5 shards of 8 samples

@@ -21,8 +21,8 @@ from torch.optim.lr_scheduler import OneCycleLR
 from torch.utils.data import DataLoader, default_collate
 
 from datacache import NodeCache, StreamingDataset, write_dataset
-from datacache._batches import RingCollator, ShmTensor, collate
-from datacache.plan import PlanSpec, build_plan
+from datacache.plan.epoch import PlanSpec, build_plan
+from datacache.pytorch.batches import RingCollator, ShmTensor, collate
 
 N = 2000
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),

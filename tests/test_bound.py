@@ -28,7 +28,7 @@ SLACK = 1.05
 def test_two_workers_read_d_minus_c_after_the_first_epoch(s3_server: Any, make_s3_url: Any, slowlink: Any,
                                                          tmp_path: Path, loader_cls: Any) -> None:
     """Through torch's DataLoader, and through datacache.DataLoader, whose head start (the training
-    process fetching the workers' first shards, datacache._headstart) must not fetch a byte more."""
+    process fetching the workers' first shards, datacache.read.headstart) must not fetch a byte more."""
     n, per_shard = 768, 32  # 24 shards of ~128 KB: D ~ 3 MB
     url = make_s3_url()
     m = H.write(url, s3_server.storage_options(), n, SIZE, shard_bytes=per_shard * SIZE)

@@ -25,15 +25,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from datacache._localfs import key_id
+from datacache.cache.eviction import ClairvoyantPolicy, LRUPolicy, Schedule
+from datacache.cache.index import Index
+from datacache.cache.node import NodeCache
+from datacache.config import CacheConfig
+from datacache.errors import CacheError
 from tests.helpers import cache_worker as W
 from tests.helpers.as_user import give_away
 from tests.helpers.faults import wait_for
-from datacache.cache import NodeCache
-from datacache.config import CacheConfig
-from datacache.errors import CacheError
-from datacache.eviction import ClairvoyantPolicy, LRUPolicy, Schedule
-from datacache.index import Index
-from datacache.tiers import key_id
 
 CTX = mp.get_context("fork")
 KB, MB = 1 << 10, 1 << 20
@@ -441,7 +441,7 @@ def test_clairvoyant_demotes_only_what_is_used_again(dirs, seq, demoted, gone):
 
 
 def test_budget_shrinks_to_a_small_filesystem_with_one_warning(small_tmpfs, dirs, caplog):
-    caplog.set_level(logging.WARNING, logger="datacache.cache")
+    caplog.set_level(logging.WARNING, logger="datacache.cache.node")
     c = CacheConfig(ram_bytes=100 * MB, ssd_bytes=0, ram_dir=str(small_tmpfs / "ram"), ssd_dir=dirs["ssd"])
     with NodeCache(c, policy=LRUPolicy()) as cache:
         assert 16 * MB <= cache.ram.budget <= 32 * MB and cache.ram.enabled
@@ -455,7 +455,7 @@ def test_budget_shrinks_to_a_small_filesystem_with_one_warning(small_tmpfs, dirs
 
 
 def test_unwritable_ssd_dir_disables_the_tier_and_ram_keeps_serving(tmp_path, dirs, caplog):
-    caplog.set_level(logging.WARNING, logger="datacache.cache")
+    caplog.set_level(logging.WARNING, logger="datacache.cache.node")
     (tmp_path / "file").write_bytes(b"not a directory")
     c = CacheConfig(ram_bytes=1 * MB, ssd_bytes=1 * MB, ram_dir=dirs["ram"], ssd_dir=str(tmp_path / "file" / "x"))
     with NodeCache(c) as cache:
@@ -481,7 +481,7 @@ def test_pass_through_fallback_owned_by_another_user_is_skipped(tmp_path, monkey
     world-writable) is skipped for the next file system, not raised."""
     import errno
 
-    from datacache import _handle
+    from datacache.cache import handles as _handle
 
     taken, free = tmp_path / "shm", tmp_path / "tmp"
     (taken / f"datacache-pass-{os.getuid()}").mkdir(parents=True)
@@ -571,7 +571,7 @@ def test_cache_is_usable_in_a_forked_child_and_in_the_parent_after(dirs):
 def test_fork_spares_lmdb_transactions_in_flight_in_other_threads(dirs):
     cache = open_cache(dirs, 1 * MB, 1 * MB)
     _fill(cache, ["a"], dirs["log"], 10 * KB)
-    from datacache import index as index_module
+    from datacache.cache import index as index_module
 
     in_txn, seen = threading.Event(), []
 

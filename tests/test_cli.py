@@ -24,13 +24,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from datacache import CacheConfig, NodeCache, StreamingDataset, load_manifest, open_store, write_dataset
-from datacache._cli_cmds import parse_ranks, warm_order
-from datacache._nodeorder import assign_nodes
-from datacache.cli import config_from_env, main
-from datacache.hashing import hash_bytes, hash_file
+from datacache.cli.commands import parse_ranks, warm_order
+from datacache.cli.main import config_from_env, main
 from datacache.dist import DistInfo
-from datacache.plan import PlanSpec, build_plan
-from datacache.shards import ShardSource
+from datacache.hashing import hash_bytes, hash_file
+from datacache.plan.epoch import PlanSpec, build_plan
+from datacache.plan.node_assign import assign_nodes
+from datacache.read.shard_source import ShardSource
 
 ROOT = Path(__file__).resolve().parents[1]
 N_SHARDS, PER_SHARD, SAMPLE_BYTES = 24, 4, 2000
@@ -46,7 +46,7 @@ def _base_env() -> dict[str, str]:
 
 def run_cli(args: list[str], env: dict[str, str], timeout: float = 60,
             script: bool = False) -> subprocess.CompletedProcess[str]:
-    """``python -m datacache.cli ARGS``, or with ``script`` the installed ``datacache`` console script."""
+    """``python -m datacache.cli.main ARGS``, or with ``script`` the installed ``datacache`` console script."""
     console = Path(sys.executable).with_name("datacache")
     cmd = [str(console)] if script and console.exists() else [sys.executable, "-m", "datacache.cli"]
     return subprocess.run([*cmd, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

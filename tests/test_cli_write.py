@@ -13,9 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import readers
-from datacache import load_manifest, open_store, write_dataset
-from datacache.cli import main
+from datacache import load_manifest, open_store, readers, write_dataset
+from datacache.cli.main import main
 
 CLASSES = ["cat", "dog", "zebra"]
 PER_CLASS = 6

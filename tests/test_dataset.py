@@ -15,8 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from datacache import (DatacacheError, NodeCache, NotFoundError, StreamingDataset, open_store,
-                       write_dataset)
+from datacache import DatacacheError, NodeCache, NotFoundError, StreamingDataset, open_store, write_dataset
 from datacache.dist import DistInfo, detect
 
 N = 240

@@ -167,9 +167,9 @@ def test_set_epoch_keeps_full_control(url: str, cache: NodeCache) -> None:
 
 
 def test_the_workers_of_one_iteration_decide_one_epoch_in_any_interleaving() -> None:
-    """``_autoepoch.AutoEpochs``: worker 1 did not begin the last iteration (epoch 3: the loop broke
+    """``datacache.pytorch.shared.AutoEpochs``: worker 1 did not begin the last iteration (epoch 3: the loop broke
     off at once); in the next, whichever worker begins first, both read epoch 4."""
-    from datacache._autoepoch import AutoEpochs
+    from datacache.pytorch.shared import AutoEpochs
 
     for first, second in ((1, 2), (2, 1)):
         epochs = AutoEpochs()

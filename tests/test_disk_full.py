@@ -13,7 +13,7 @@ import lmdb
 import pytest
 
 from datacache import CacheError, NodeCache, StreamingDataset
-from datacache.index import Entry, Index
+from datacache.cache.index import Entry, Index
 from tests.helpers import faults as H
 
 KB = 1 << 10

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from datacache.cache import NodeCache
+from datacache.cache.eviction import ClairvoyantPolicy, LRUPolicy, Schedule
+from datacache.cache.node import NodeCache
 from datacache.config import CacheConfig
-from datacache.eviction import ClairvoyantPolicy, LRUPolicy, Schedule
 
 INF = math.inf
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

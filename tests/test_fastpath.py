@@ -1,5 +1,5 @@
 """The warm read path: raw blocks read in place, uniform blocks decoded at once, pooled buffers,
-readers kept open across runs, and batches in shared-memory rings (datacache._batches)."""
+readers kept open across runs, and batches in shared-memory rings (datacache.pytorch.batches)."""
 from __future__ import annotations
 
 import gc
@@ -11,15 +11,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from datacache.readers import ReaderError, codec
+from datacache.readers import zstd as rzstd
+from datacache.readers._bufpool import BufferPool
 from torch.utils.data import DataLoader
 
-import readers
-from datacache import NodeCache, StreamingDataset, write_dataset
-from datacache._batches import BatchRing, RingCollator, collate
-from datacache._openshards import OpenShards
-from readers import ReaderError, codec
-from readers import zstd as rzstd
-from readers._bufpool import BufferPool
+from datacache import NodeCache, StreamingDataset, readers, write_dataset
+from datacache.pytorch.batches import BatchRing, RingCollator, collate
+from datacache.read.open_readers import OpenShards
 
 
 def _image(i: int, side: int = 16) -> np.ndarray:
@@ -203,7 +202,7 @@ def test_ring_falls_back_for_a_larger_batch() -> None:
 
 
 def test_no_ring_where_shared_memory_is_short(small_tmpfs: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from datacache import _batches
+    from datacache.pytorch import batches as _batches
 
     monkeypatch.setattr(_batches, "_SHM_DIR", str(small_tmpfs))  # 32 MB: 16 slots of 2 MB do not fit twice
     ring = RingCollator(shared=True)

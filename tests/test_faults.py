@@ -19,11 +19,18 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
+from datacache import (
+    CacheConfig,
+    NodeCache,
+    PrefetchConfig,
+    RetryConfig,
+    StreamingDataset,
+    TransferConfig,
+    TransientStorageError,
+)
+from datacache._localfs import KeyLock, key_id
+from datacache.cache.index import Index
 from tests.helpers import faults as H
-from datacache import (CacheConfig, NodeCache, PrefetchConfig, RetryConfig, StreamingDataset, TransferConfig,
-                       TransientStorageError)
-from datacache.index import Index
-from datacache.tiers import KeyLock, key_id
 from tools.s3server import SeaweedServer
 from tools.slowlink import SlowLink
 

@@ -1,5 +1,5 @@
 """A forked DataLoader worker inherits the training process's heap frozen for the garbage
-collector (``datacache._worker``): its first full collection walks only what the worker made, so
+collector (``datacache.read.lifecycle``): its first full collection walks only what the worker made, so
 it neither spends a cold epoch's first 0.2 s on the parent's objects nor copies their pages. The
 parent's collector is untouched, and a parent that freezes objects itself keeps them frozen."""
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _in_child(report: Any) -> int:
 
 
 def test_a_forked_child_starts_with_the_heap_frozen_and_the_parent_does_not() -> None:
-    import datacache.dataset  # noqa: F401 - registers the fork hook, as any StreamingDataset does
+    import datacache.pytorch.dataset  # noqa: F401 - registers the fork hook, as any StreamingDataset does
 
     assert gc.get_freeze_count() == 0
     keep = [[i] for i in range(10_000)]  # objects the child inherits
@@ -49,7 +49,7 @@ def test_a_forked_child_starts_with_the_heap_frozen_and_the_parent_does_not() ->
 
 
 def test_a_parent_that_froze_its_heap_keeps_it_frozen() -> None:
-    import datacache.dataset  # noqa: F401
+    import datacache.pytorch.dataset  # noqa: F401
 
     gc.freeze()
     try:

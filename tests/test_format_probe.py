@@ -10,10 +10,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from datacache.readers import ReaderError
+from datacache.readers.tar import member_key
 
-import readers
-from readers import ReaderError
-from readers.tar import member_key
+from datacache import readers
 
 ROOT = Path(__file__).resolve().parents[1]
 

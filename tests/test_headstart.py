@@ -1,4 +1,4 @@
-"""``datacache._headstart``: the training process fetches its DataLoader workers' first shards
+"""``datacache.read.headstart``: the training process fetches its DataLoader workers' first shards
 while they start. Counted in the node cache and at the proxy, never timed."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.utils.data as tud
 
 import datacache
 from datacache import StreamingDataset
-from datacache._headstart import RUNS_PER_WORKER, HeadStart, first_chunks
+from datacache.read.headstart import RUNS_PER_WORKER, HeadStart, first_chunks
 from tests.helpers import faults as H
 
 pytestmark = pytest.mark.timeout(180)
@@ -119,7 +119,7 @@ def test_the_workers_first_shards_cross_the_link_one_after_another(
 
 def test_a_part_mixed_epoch_gets_its_workers_first_chunks_rows_then_every_block_once(
         s3_server: Any, make_s3_url: Any, tmp_path: Path) -> None:
-    """A cold part mix (``datacache._partmix``): the head start loads the rows of each worker's
+    """A cold part mix (``datacache.plan.part_shuffle``): the head start loads the rows of each worker's
     first chunks into the shards' partial copies (ranged reads, no whole shard), and the workers
     then read every block once more at most (single flight across the processes)."""
     n, size, per_shard = 960, 1000, 96  # 10 shards of about 24 blocks of 4 samples
@@ -171,7 +171,7 @@ def test_a_head_start_planned_before_the_fork_fetches_only_once_started(
 @pytest.mark.parametrize("slow_start", [True, False])
 def test_a_part_mixed_epochs_first_sample_waits_for_worker_0s_first_chunk_alone(
         s3_server: Any, make_s3_url: Any, slowlink: Any, tmp_path: Path, slow_start: bool) -> None:
-    """The lead of a part mix (``_headstart.Lead``): worker 1 loads worker 0's first-chunk runs
+    """The lead of a part mix (``datacache.read.headstart.Lead``): worker 1 loads worker 0's first-chunk runs
     before its own, and worker 0 its lookahead only once its first chunk and then worker 1's are
     in, so when the first sample (worker 0's) arrives, the link has carried worker 0's first chunk
     (its shards' indexes and heads, and its blocks) and little more. Without it

@@ -21,10 +21,20 @@ from typing import Any, Callable
 
 import pytest
 
-from tests.helpers import faults as H
-from datacache import (CacheError, IntegrityError, Manifest, ManifestError, NodeCache, NotFoundError, ReaderError,
-                       ShardInfo, StreamingDataset, open_store)
+from datacache import (
+    CacheError,
+    IntegrityError,
+    Manifest,
+    ManifestError,
+    NodeCache,
+    NotFoundError,
+    ReaderError,
+    ShardInfo,
+    StreamingDataset,
+    open_store,
+)
 from datacache.hashing import hash_bytes
+from tests.helpers import faults as H
 from tests.helpers.as_user import give_away
 from tests.helpers.crafted import bomb_frame, craft_dcz
 

@@ -16,7 +16,7 @@ from torch.utils.data import default_collate
 
 import datacache
 from datacache import NodeCache, StreamingDataset, write_dataset
-from datacache._batches import collate
+from datacache.pytorch.batches import collate
 from tests.helpers.resume import Stage, check_exactly_once, check_resume
 
 N = 500
@@ -263,7 +263,7 @@ def test_resume_at_midpoints(url: str, cache: NodeCache) -> None:
 
 def test_resume_with_uneven_workers_near_the_end(url: str, cache: NodeCache) -> None:
     """3 persistent workers with unequal batch counts: the state is counted from the batches handed
-    out (``datacache._rounds``), including after a worker ran out, and the order stays exact."""
+    out (``datacache.pytorch.rounds``), including after a worker ran out, and the order stays exact."""
     make = _factory(url, cache)
     ds = make()
     n = len(datacache.DataLoader(ds, batch_size=9))

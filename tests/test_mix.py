@@ -12,8 +12,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 from datacache import Manifest, NodeCache, Stream, StreamingDataset, open_store
-from datacache.streams import draw_counts, largest_remainder
-from tests.helpers.mix import B, DRAWS, EPOCH, SIZES, check_epoch, stream_of, streams, write_stream, write_streams
+from datacache.mixing.streams import draw_counts, largest_remainder
+from tests.helpers.mix import DRAWS, EPOCH, SIZES, B, check_epoch, stream_of, streams, write_stream, write_streams
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +195,8 @@ def test_stratified_layout_is_exact_on_the_plans_batches(seed: int) -> None:
     one sample of each stream's share, the epoch's totals exact (random sizes, ranks, batches)."""
     import numpy as np
 
-    from datacache._mixplan import MixPlan
-    from datacache.plan import PlanSpec, build_plan
+    from datacache.mixing.plan import MixPlan
+    from datacache.plan.epoch import PlanSpec, build_plan
 
     rng = np.random.default_rng(seed)
     shards = [rng.integers(1, 9, rng.integers(1, 6)) for _ in range(rng.integers(2, 6))]
@@ -265,9 +265,9 @@ def test_random_mix_keeps_the_node_sticky_plan(seed: int) -> None:
     out the epoch's subset: a tenth of the shards read at most, half with placement="global")."""
     import numpy as np
 
-    from datacache._mixplan import MixPlan
-    from datacache._nodeorder import assign_nodes
-    from datacache.plan import PlanSpec, build_plan
+    from datacache.mixing.plan import MixPlan
+    from datacache.plan.epoch import PlanSpec, build_plan
+    from datacache.plan.node_assign import assign_nodes
 
     rng = np.random.default_rng(seed)
     shards = [rng.integers(5, 9, 40), rng.integers(5, 9, 30), rng.integers(5, 9, 10)]
@@ -299,8 +299,8 @@ def test_per_stream_batches_are_one_stream_and_len_holds_for_any_workers(seed: i
     the rank's batch count is the same whatever the number of workers (what len() says)."""
     import numpy as np
 
-    from datacache._mixplan import MixPlan
-    from datacache.plan import PlanSpec, build_plan
+    from datacache.mixing.plan import MixPlan
+    from datacache.plan.epoch import PlanSpec, build_plan
 
     rng = np.random.default_rng(seed)
     shards = [rng.integers(1, 9, rng.integers(1, 6)) for _ in range(rng.integers(2, 5))]

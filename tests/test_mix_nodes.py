@@ -1,6 +1,6 @@
 """Composed mixes (batching="stratified" / "per_stream") on several nodes: node-sticky, as the
 single-dataset plan and the random mix are. Each node reads the shards it owns for the run
-(``datacache._mixnodes``), epoch after epoch, while the batches keep their composition and every
+(``datacache.mixing.plan``), epoch after epoch, while the batches keep their composition and every
 epoch its exact per-stream counts."""
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from datacache import CacheConfig, NodeCache, Stream, StreamingDataset, write_dataset
-from datacache._mixnodes import stream_owner
-from datacache._mixplan import MixPlan
 from datacache.dist import DistInfo
-from datacache.plan import PlanSpec, build_plan
+from datacache.mixing.plan import MixPlan, stream_owner
+from datacache.plan.epoch import PlanSpec, build_plan
 
 BATCHINGS = ("stratified", "per_stream")
 

@@ -10,8 +10,9 @@ import pytest
 
 import datacache
 from datacache import NodeCache, StreamingDataset
+from tests.helpers.mix import EPOCH, B, check_epoch, stream_of, streams, write_streams
 from tests.helpers.resume import Stage, _ids, check_exactly_once, check_resume
-from tests.helpers.mix import B, EPOCH, check_epoch, stream_of, streams, write_streams
+
 
 @pytest.fixture(scope="module")
 def stream_urls(s3_server: Any) -> list[str]:

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from datacache import CacheConfig, NodeCache, StreamingDataset
-from datacache.cli import main
-from datacache.plan import build_plan
-from tests.helpers.mix import B, EPOCH, PROPS, check_epoch, streams, write_streams
+from datacache.cli.main import main
+from datacache.plan.epoch import build_plan
+from tests.helpers.mix import EPOCH, PROPS, B, check_epoch, streams, write_streams
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ import pytest
 
 from datacache import StreamingDataset, write_dataset
 from datacache.dist import detect
-from datacache.plan import build_plan
+from datacache.plan.epoch import build_plan
 from tests.helpers import faults as H
 from tools.s3server import free_ports
 from tools.scale_model import predict_bytes
@@ -159,7 +159,7 @@ def test_sticky_reads_two_nodes(s3_server: Any, slowlink: Any, tmp_path: Path) -
 def test_elastic_resume_three_to_two_nodes(s3_server: Any, slowlink: Any, tmp_path: Path, workers: int) -> None:
     """Saved in each rank's main process (rank 0's state resumed), or in each rank's 2 DataLoader
     workers (StatefulDataLoader; every rank's state resumed), and resumed on 2 nodes."""
-    from datacache.resume import rank_state
+    from datacache.plan.resume import rank_state
 
     n = 3000
     url, m = _dataset(s3_server, n)
@@ -174,7 +174,7 @@ def test_elastic_resume_three_to_two_nodes(s3_server: Any, slowlink: Any, tmp_pa
     states = [json.loads((first.out / f"state_rank{r}.json").read_text()) for r in range(3)]
     assert [sum(rank_state(s).consumed) for s in states] == [stop] * 3
     # a node-mixed epoch: each node's share (D / 3) fits its cache, so epoch 1 is one permutation
-    # per node (datacache._nodemix), and the resume below continues that order on other nodes
+    # per node (datacache.plan.node_shuffle), and the resume below continues that order on other nodes
     assert all(rank_state(s).mix[0] > 0 and rank_state(s).mix[1] <= 1 for s in states), "epoch 1 not node-mixed"
     shutil.rmtree(nodes[2])  # the third node is gone, and its cache with it
     state_path = tmp_path / "state.json"

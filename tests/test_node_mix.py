@@ -1,4 +1,4 @@
-"""The node mix (datacache._nodemix): a warm epoch is one uniform permutation of the node's share.
+"""The node mix (datacache.plan.node_shuffle): a warm epoch is one uniform permutation of the node's share.
 
 Statistical checks with fixed seeds, not timed: on class-sorted data (class = id x 100 // n) the
 batches of a node-mixed epoch hold at least 0.9 of the distinct classes a uniform random
@@ -18,14 +18,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from datacache import NodeCache, StreamingDataset, write_dataset
-from datacache._consumer import decode_ahead
-from datacache._headstart import RUNS_PER_WORKER, first_chunks
-from datacache._nodemix import chunk_bounds, chunk_runs, mix_positions
-from datacache._partmix import part_chunk
-from datacache.plan import PlanSpec, build_plan
+from datacache.plan.epoch import PlanSpec, build_plan
+from datacache.plan.node_shuffle import chunk_bounds, chunk_runs, mix_positions
+from datacache.plan.part_shuffle import part_chunk
+from datacache.read.consumer import decode_ahead
+from datacache.read.headstart import RUNS_PER_WORKER, first_chunks
 from tests.helpers import faults
 from tests.helpers.plans import SETTINGS
 from tools.bench_quality import batch_quality
+
 
 def quality(batches: list[np.ndarray], n: int) -> float:
     """Mean distinct classes per full batch over a uniform random permutation's."""
@@ -79,9 +80,9 @@ def test_when_an_epoch_mixes() -> None:
 
 @pytest.mark.parametrize("unit_rows", [0, 1, 15, 240, 1000])
 def test_a_cold_epoch_is_a_part_mix_whatever_its_blocks_hold(unit_rows: int) -> None:
-    """``_partmix.part_mixes``: blocks of many small samples (4 KB samples in 1 MB blocks: 240;
+    """``datacache.plan.epoch.part_shuffle.part_mixes``: blocks of many small samples (4 KB samples in 1 MB blocks: 240;
     1 KB: about 1,000) are read part by part too, since a consumer reads each block once for all
-    of its runs (``datacache._stash``); each part is whole blocks."""
+    of its runs (``datacache.read.stash``); each part is whole blocks."""
     counts = np.full(30, 1000)
     spec = PlanSpec(seed=4, epoch=0, num_workers=2, batch_size=32, mix_bytes=1 << 40, mix_from=1,
                     part_bytes=1 << 20, shard_bytes=counts * 4096, unit_rows=unit_rows)
@@ -146,7 +147,7 @@ def test_chunks_group_rows_by_shard(counts: list[int], seed: int, chunk: int) ->
 @pytest.fixture(scope="module")
 def sorted_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     url = f"file://{tmp_path_factory.mktemp('mix')}/ds"
-    # blocks of a few samples: many units a shard, each part one of them (datacache._partmix)
+    # blocks of a few samples: many units a shard, each part one of them (datacache.plan.part_shuffle)
     m = write_dataset(({"i": i, "x": np.full(64, i, dtype=np.int32)} for i in range(N)), url,
                       shard_bytes=8000, progress=False, writer_options={"block_bytes": 2048})
     assert len(m.shards) >= 20 and 0 < m.unit_rows < 32, m.unit_rows
@@ -255,7 +256,7 @@ def test_a_mixed_epoch_resumes_where_the_cache_decides_otherwise(sorted_url: str
 def test_the_mixed_share_is_what_the_consumers_read() -> None:
     """``plan.mixed_share`` (what the node schedule and the head start use instead of every
     consumer's plan): the shards the node's mixed consumers read, None for a windowed epoch."""
-    from datacache.plan import mixed_share
+    from datacache.plan.epoch import mixed_share
 
     counts = np.array([30, 0, 25, 40, 10, 35, 20, 15])
     spec = PlanSpec(seed=2, epoch=1, dp_size=4, num_nodes=2, num_workers=2, mix_bytes=1 << 40)
@@ -269,7 +270,7 @@ def test_the_mixed_share_is_what_the_consumers_read() -> None:
 
 @pytest.mark.timeout(180)
 def test_epoch_zero_mixes_when_the_share_is_cached_already(sorted_url: str, cache: NodeCache) -> None:
-    """The default ("auto"; "window" likewise, but with the window) in epoch 0: a part mix on an empty cache (read part by part, ``datacache._partmix``);
+    """The default ("auto"; "window" likewise, but with the window) in epoch 0: a part mix on an empty cache (read part by part, ``datacache.plan.part_shuffle``);
     a node mix once the share is cached (here by another seed's epoch, as ``datacache warm``
     would), decided once: the same dataset and seed read again keep the decision their first
     epoch 0 took."""
@@ -292,7 +293,7 @@ def test_epoch_zero_mixes_when_the_share_is_cached_already(sorted_url: str, cach
 
 
 def test_the_decode_stage_reads_the_next_chunk_ahead() -> None:
-    """``_consumer.decode_ahead``: a node-mixed plan's step yields a chunk once every run of it is
+    """``datacache.read.consumer.decode_ahead``: a node-mixed plan's step yields a chunk once every run of it is
     open, so the decode stage may hold the largest chunk's positions ahead (counted in each run's
     rows), not two runs; a plan of whole-shard runs and a part mix (whose decode stage would let
     its fetch stage start more reads at once) keep two."""

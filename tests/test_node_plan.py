@@ -1,5 +1,5 @@
-"""Property tests of the node-sticky epoch plan (datacache.plan with ``num_nodes > 1``,
-datacache._nodeorder): exactly once and equal ranks as before, each node reading the same shards
+"""Property tests of the node-sticky epoch plan (datacache.plan.epoch with ``num_nodes > 1``,
+datacache.plan.node_assign): exactly once and equal ranks as before, each node reading the same shards
 every epoch (reshuffled within its share), a balanced assignment that barely moves when the node
 count changes, elastic remainders across node counts, and one node unchanged."""
 from __future__ import annotations
@@ -12,9 +12,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from datacache._nodeorder import assign_nodes
-from datacache._consumerplan import piece_runs
-from datacache.plan import PlanSpec, build_plan, remainder_order, split_even
+from datacache.plan.epoch import PlanSpec, build_plan, piece_runs, remainder_order, split_even
+from datacache.plan.node_assign import assign_nodes
 from tests.helpers.plans import SETTINGS, all_plans, check_exactly_once_and_equal_ranks, counts_st, node_specs
 
 
@@ -179,7 +178,7 @@ def test_node_count_must_divide_ranks() -> None:
 def test_resume_state_on_another_node_count_is_elastic() -> None:
     """Same dp_size and num_workers but another node count is another plan: the saved counts must
     not be skipped on it; the unread samples are planned afresh, each once."""
-    from datacache.resume import resume_plan, start_state
+    from datacache.plan.resume import resume_plan, start_state
 
     counts = np.full(40, 25)
     spec = PlanSpec(seed=1, dp_size=4, num_workers=2, num_nodes=2)

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import datacache
-import readers
-from datacache import NodeCache, StreamingDataset
-from datacache.cli import main
+from datacache import NodeCache, StreamingDataset, readers
+from datacache.cli.main import main
 
 N = 24
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")]

@@ -1,4 +1,4 @@
-"""Partial copies (``datacache._partial`` through ``ShardSource.load_rows``): a shard filled block by
+"""Partial copies (``datacache.cache.partial`` through ``ShardSource.load_rows``): a shard filled block by
 block by the node's processes, readable before it is whole, verified and cached once it is.
 
 Real S3 server, real processes (forked), bytes counted by each process's store. Multi-process
@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from datacache.readers._dczindex import dcz_layout
 
 from datacache import CacheConfig, IntegrityError
-from datacache._partial import PartialShard
-from datacache._partmix import part_rows
-from datacache.shards import PartHandle, ShardSource
-from datacache.tiers import key_id
-from readers._dczindex import dcz_layout
+from datacache._localfs import key_id
+from datacache.cache.partial import PartialShard
+from datacache.plan.part_shuffle import part_rows
+from datacache.read.shard_source import PartHandle, ShardSource
 from tests.helpers import faults as H
 
 SIZE, N, SHARD = 1000, 300, 100_000  # about 100 samples per shard, 4 samples a block

@@ -1,5 +1,5 @@
 """A restart after a killed job (issue 37, point 1): a ``datacache.DataLoader`` with two workers is
-killed during a cold epoch that fills partial copies (``datacache._partial``), then restarted on the
+killed during a cold epoch that fills partial copies (``datacache.cache.partial``), then restarted on the
 same cache; the restart must read every sample exactly once with every byte right, and the
 reconciliation it starts with must leave each partial copy's state and scratch file as one unit
 (both or neither).

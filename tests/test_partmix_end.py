@@ -1,4 +1,4 @@
-"""The cold part mix's stream and end (``datacache._partmix``): the parts come in rounds over
+"""The cold part mix's stream and end (``datacache.plan.part_shuffle``): the parts come in rounds over
 ``PART_STRATA`` spans of the dataset, and where a part holds ``NARROW_ROWS`` samples or more, the
 window narrows over the epoch's last ``PART_NARROW`` parts. Plans only (no I/O): every sample
 once, each round visits every span once, quality of random's over the epoch and in its last 5 %,
@@ -12,10 +12,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from datacache._partmix import NARROW_ROWS, PART_NARROW, PART_STRATA, _stratified
-from datacache._pieces import Pieces
-from datacache.plan import PlanSpec, build_plan
-from datacache.resume import ResumeState, plan_mix, resume_spec, start_state
+from datacache.plan.epoch import PlanSpec, build_plan
+from datacache.plan.part_shuffle import NARROW_ROWS, PART_NARROW, PART_STRATA, _stratified
+from datacache.plan.pieces import Pieces
+from datacache.plan.resume import ResumeState, plan_mix, resume_spec, start_state
 from tools.bench_quality import batch_quality
 
 WORKERS, BS = 2, 32

@@ -1,4 +1,4 @@
-"""Property tests of the pure epoch plan (datacache.plan): exactly once, equal ranks, purity, the sliding window,
+"""Property tests of the pure epoch plan (datacache.plan.epoch): exactly once, equal ranks, purity, the sliding window,
 remainders. Replication is tested at the dataset level (tests/test_dataset.py)."""
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from datacache.plan import PlanSpec, build_plan, first_shards, global_order, mixed_share, remainder_order, split_even
+from datacache.plan.epoch import (
+    PlanSpec,
+    build_plan,
+    first_shards,
+    global_order,
+    mixed_share,
+    remainder_order,
+    split_even,
+)
 from tests.helpers.plans import all_plans, check_exactly_once_and_equal_ranks
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -97,7 +105,7 @@ def test_sliding_window_pipeline(counts: list[int], spec: PlanSpec) -> None:
     each run reads only its own shard's local range."""
     for plan in all_plans(counts, spec).values():
         w = plan.window
-        mixed = plan.rows is not None  # a node mix's (datacache._nodemix): a run stays open for its chunk
+        mixed = plan.rows is not None  # a node mix's (datacache.plan.node_shuffle): a run stays open for its chunk
         assert w == (spec.window if spec.shuffle else 1) or mixed
         assert plan.steps[0] == 0 and plan.steps[-1] == len(plan)
         assert np.all(np.diff(plan.steps) >= 0)

@@ -1,7 +1,7 @@
 """Epoch start at scale (issue 13.7): a consumer plans only its node's part of the epoch (memory that
 grows with the node's share, not with the dataset), the order stays today's, and the node-level work
 (the shard-to-node assignment, the node's eviction schedule) is computed once per node and shared
-through the cache's control directory (datacache._nodeshare) with the node's other processes."""
+through the cache's control directory (datacache.plan.node_share) with the node's other processes."""
 from __future__ import annotations
 
 import hashlib
@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 from hypothesis import given
 
-from datacache import _nodeshare
-from datacache._nodeorder import _assign, assign_nodes, node_part
+from datacache._localfs import KeyLock
 from datacache.manifest import Manifest, ShardInfo
-from datacache.nodeplan import _schedule_table, node_schedule
-from datacache.plan import PlanSpec, build_plan, epoch_pieces
-from datacache.tiers import KeyLock
+from datacache.plan import node_share as _nodeshare
+from datacache.plan.epoch import PlanSpec, build_plan, epoch_pieces
+from datacache.plan.node_assign import _assign, assign_nodes, node_part
+from datacache.read.node_schedule import _schedule_table, node_schedule
 from tests.helpers.plans import SETTINGS, counts_st, node_specs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def test_a_consumers_plan_memory_grows_with_its_nodes_share() -> None:
 
 _CHILD = """
 import sys, numpy as np
-from datacache._nodeorder import assign_nodes
+from datacache.plan.node_assign import assign_nodes
 sizes = np.arange(1, 5001, dtype=np.int64) * 7
 owner = assign_nodes(sizes, 5, 9, share_dir=sys.argv[1])
 print(type(owner).__name__, owner.dtype, ",".join(map(str, np.bincount(owner, minlength=5))))
@@ -166,7 +166,7 @@ def test_the_node_schedule_is_computed_once_and_read_by_the_others(tmp_path: Pat
     mine = node_schedule(manifest, counts, spec, [2, 3], share_dir=str(tmp_path))
     [path] = (tmp_path / "nodeplan").glob("schedule-*.npy")
     assert np.array_equal(np.load(path), _schedule_table(counts, spec, [2, 3], None))
-    monkeypatch.setattr("datacache.nodeplan._schedule_table", None)  # another consumer: nothing to compute
+    monkeypatch.setattr("datacache.read.node_schedule._schedule_table", None)  # another consumer: nothing to compute
     other = node_schedule(manifest, counts, replace(spec, dp_rank=3, worker_id=1), [2, 3], share_dir=str(tmp_path))
     assert other.times == mine.times == pure
 

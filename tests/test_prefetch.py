@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from datacache import CacheConfig, PrefetchConfig, StreamingDataset, write_dataset
-from datacache.prefetch import Prefetcher
+from datacache.read.prefetch import Prefetcher
 from tests.helpers import faults as H
 
 

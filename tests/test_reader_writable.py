@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from datacache.readers import zstd as rzstd
 from torch.utils.data import default_collate
 
-import readers
-from readers import zstd as rzstd
+from datacache import readers
 
 REPO = Path(__file__).resolve().parent.parent
 N = 12
@@ -174,7 +174,7 @@ def test_streaming_dataset_workers_print_no_not_writable_warning(fmt: str, s3_st
 
 @pytest.mark.parametrize("pagemap", [True, False])
 def test_cow_map_gives_written_pages_back_once_no_view_uses_them(pagemap: bool, tmp_path: Path) -> None:
-    from readers._cowmap import CowMap
+    from datacache.readers._cowmap import CowMap
 
     data = np.random.default_rng(0).bytes(64 * 4096 + 100)
     path = tmp_path / "f"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from datacache import NodeCache, StreamingDataset, write_dataset
-from datacache._partmix import NARROW_ROWS
-from datacache.plan import build_plan
-from datacache.resume import ResumeState, common_state, rank_state
+from datacache.plan.epoch import build_plan
+from datacache.plan.part_shuffle import NARROW_ROWS
+from datacache.plan.resume import ResumeState, common_state, rank_state
 from tests.helpers.resume import Stage, check_exactly_once
 
 N = 400
@@ -78,7 +78,7 @@ def test_exactly_once_at_midpoints_of_a_part_mix(dataset_url: str, cache: NodeCa
 def large_parts_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     """9,000 samples in 129 shards of about 70, one block each: 129 parts of about 70 samples,
     enough parts and samples a part for a part mix's window to narrow at the end
-    (``_partmix.NARROW_ROWS``)."""
+    (``datacache.plan.epoch.part_shuffle.NARROW_ROWS``)."""
     url = f"file://{tmp_path_factory.mktemp('resume-large-parts')}/ds"
     write_dataset(({"i": i, "x": np.full(4, i, dtype=np.int32)} for i in range(9000)), url,
                   shard_bytes=3700, progress=False)

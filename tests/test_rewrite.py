@@ -12,11 +12,20 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.helpers import faults as H
-from datacache import (DatacacheError, DatasetWriter, Manifest, NodeCache, NotFoundError, StreamingDataset, load_manifest,
-                       open_store, write_dataset)
-from datacache.cli import main
+from datacache import (
+    DatacacheError,
+    DatasetWriter,
+    Manifest,
+    NodeCache,
+    NotFoundError,
+    StreamingDataset,
+    load_manifest,
+    open_store,
+    write_dataset,
+)
+from datacache.cli.main import main
 from datacache.errors import DatasetExistsError
+from tests.helpers import faults as H
 
 SIZE = 1000
 N = 72  # 9 shards of 8 samples

@@ -1,4 +1,4 @@
-"""``datacache._rounds``: a DataLoader's per-worker position from the number of batches it handed
+"""``datacache.pytorch.rounds``: a DataLoader's per-worker position from the number of batches it handed
 out. The model (turns from worker 0, skipping a worker with no batch left) is checked against a
 brute-force round-robin and against what a real torch ``DataLoader`` does with uneven workers."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 import torch.utils.data as tud
 
-from datacache._rounds import Rounds, WorkerBatches, delivered
-from datacache.resume import start_state
+from datacache.plan.resume import start_state
+from datacache.pytorch.rounds import Rounds, WorkerBatches, delivered
 
 
 def turns(counts: list[int], first: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The one shard path (``datacache.shards``): every entry point gets the same error translation and
+"""The one shard path (``datacache.read.shard_source``): every entry point gets the same error translation and
 checks. A reader failure is a ``datacache.ReaderError`` (also a ``DatacacheError`` and a
 ``readers.ReaderError``) naming the shard's URL, from ``StreamingDataset`` (in the main process and
 through DataLoader workers) and from ``CachedDataset`` (planned and off-plan reads); a manifest
@@ -14,11 +14,10 @@ from typing import Any
 import pytest
 import torch.utils.data as tud
 
-from tests.helpers import faults as H
 import datacache
-import readers
-from datacache import CachedDataset, IntegrityError, Manifest, StreamingDataset, open_store
+from datacache import CachedDataset, IntegrityError, Manifest, StreamingDataset, open_store, readers
 from datacache.hashing import hash_bytes
+from tests.helpers import faults as H
 
 SIZE = 1000
 N = 40  # 5 shards of 8 samples

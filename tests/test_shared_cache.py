@@ -22,8 +22,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 from datacache import CacheConfig, NodeCache, Schedule, StreamingDataset, write_dataset
-from datacache.eviction import INF
-from datacache.nodepolicy import NodePolicy
+from datacache.cache.eviction import INF
+from datacache.cache.node_policy import NodePolicy
 
 HERE = Path(__file__).resolve().parent
 N = 480  # samples per dataset: equal counts, so zip() reads both in lockstep

@@ -1,7 +1,7 @@
 """PrioritySlots: never more than n holders; waiters admitted lowest priority first."""
 import threading
 
-from datacache._slots import PrioritySlots
+from datacache.store.transfer import PrioritySlots
 from tests.helpers.faults import wait_for
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch.utils.data as tud
 
-from tests.helpers import faults as H
 from datacache import StreamingDataset
+from tests.helpers import faults as H
 
 
 @pytest.mark.timeout(240)

@@ -1,4 +1,4 @@
-"""A part-mixed consumer reads each unit once (``datacache._stash``): every run's rows are read
+"""A part-mixed consumer reads each unit once (``datacache.read.stash``): every run's rows are read
 exactly once, by the first run that reaches their unit, never later than their own run; the first
 chunk's runs read only their own rows; the stash gives each kept sample back once, as a copy; a
 missing shard is skipped by its leaders and followers alike."""
@@ -14,8 +14,8 @@ import pytest
 import torch.utils.data
 
 from datacache import CacheConfig, NodeCache, StreamingDataset, write_dataset
-from datacache._ragged import Ragged
-from datacache._stash import Stash, read_plan
+from datacache.plan.ragged import Ragged
+from datacache.read.stash import Stash, read_plan
 
 
 def _random_runs(seed: int, runs: int = 300, shards: int = 7, rows: int = 500) -> tuple[list[int], list[np.ndarray]]:
@@ -131,7 +131,7 @@ def test_the_stash_gives_each_sample_back_once() -> None:
 
 
 def test_a_leaders_read_for_the_stash_owns_its_memory(tmp_path: Path) -> None:
-    """read_rows(copy=True) (a leader's read, datacache._stash): the samples' arrays are views of
+    """read_rows(copy=True) (a leader's read, datacache.read.stash): the samples' arrays are views of
     one array that owns its memory and holds the picked rows alone, so a stashed sample keeps
     no block buffer (1 MB by default) or shard map alive, and share no memory with the reader."""
     url = f"file://{tmp_path}/ds"

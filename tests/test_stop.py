@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import faults as H
 from datacache import CacheConfig, NodeCache, load_manifest, open_store
 from datacache.hashing import hash_file
+from tests.helpers import faults as H
 
 ROOT = Path(__file__).resolve().parents[1]
 KB = 1 << 10

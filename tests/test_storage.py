@@ -1,4 +1,4 @@
-"""datacache.storage against a real S3 server (SeaweedFS) and the local file system."""
+"""datacache.store.storage against a real S3 server (SeaweedFS) and the local file system."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from datacache import _retry
 from datacache.config import RetryConfig, TransferConfig
 from datacache.errors import (
     IntegrityError,
@@ -20,7 +19,8 @@ from datacache.errors import (
     TransientStorageError,
     UnreachableError,
 )
-from datacache.storage import Store, open_store
+from datacache.store import retry as _retry
+from datacache.store.storage import Store, open_store
 from tools.s3server import free_ports
 from tools.slowlink import SlowLink
 
@@ -324,7 +324,7 @@ def test_parallel_ranged_gets_and_no_head_when_size_is_known(s3_server: Any, s3_
 @pytest.mark.timeout(60)
 def test_a_get_that_times_out_on_an_async_filesystem_is_retried_not_waited_on(s3_server: Any, slowlink: Any) -> None:
     """fsspec's HTTPFileSystem (aiohttp) raises builtin ``TimeoutError``s, as does the poll of a
-    cancellable wait (``_cancel.cat_range``): a GET's own timeout must end that wait, not be taken for
+    cancellable wait (``datacache.store.transfer.cat_range``): a GET's own timeout must end that wait, not be taken for
     a poll (it was, and the read waited forever). The store answers 403 to these unsigned GETs; the
     timeout comes first."""
     import aiohttp
@@ -392,7 +392,7 @@ def test_a_store_that_answered_once_keeps_the_whole_deadline_and_warnings_name_e
     helper = threading.Thread(target=restart_after_retries, name="test-restart-link", daemon=True)
     helper.start()
     try:
-        with caplog.at_level("WARNING", logger="datacache.storage"), store:
+        with caplog.at_level("WARNING", logger="datacache.store.storage"), store:
             assert store.read_bytes("o.bin") == b"x" * 100
     finally:
         helper.join(timeout=10)

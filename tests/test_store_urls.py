@@ -14,8 +14,17 @@ from typing import Any
 
 import pytest
 
-from datacache import (CacheConfig, ManifestError, NotFoundError, RetryConfig, StreamingDataset, UnreachableError,
-                       load_manifest, open_store, write_dataset)
+from datacache import (
+    CacheConfig,
+    ManifestError,
+    NotFoundError,
+    RetryConfig,
+    StreamingDataset,
+    UnreachableError,
+    load_manifest,
+    open_store,
+    write_dataset,
+)
 from datacache.manifest import ShardInfo, compute_dataset_id
 from tests.test_cli_messages import ROOT, _env, _run
 from tools.s3server import free_ports

@@ -20,10 +20,16 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
+from datacache import (
+    RetryConfig,
+    StreamingDataset,
+    ThrottledError,
+    TransferConfig,
+    TransientStorageError,
+    open_store,
+)
+from datacache.store.congestion import Congestion
 from tests.helpers import faults as H
-from datacache import (RetryConfig, StreamingDataset, ThrottledError, TransferConfig, TransientStorageError,
-                       open_store)
-from datacache.congestion import Congestion
 
 KB = 1 << 10
 SIZE = 8 * KB
@@ -228,11 +234,11 @@ class _SlowDown(Exception):
 
 
 def test_a_long_outage_is_reported_while_it_is_retried(caplog: Any) -> None:
-    from datacache import _retry
+    from datacache.store import retry as _retry
 
     def throttled() -> None:
         raise _SlowDown()
-    caplog.set_level(logging.WARNING, logger="datacache.storage")
+    caplog.set_level(logging.WARNING, logger="datacache.store.storage")
     _retry._last_warning[0] = float("-inf")
     with pytest.raises(ThrottledError, match="2 attempts"):  # began 20 s ago: past the warning period
         _retry.retry_call(throttled, RetryConfig(attempts=2), url="s3://b/p/x", op="read", redact=str,

@@ -143,7 +143,7 @@ def test_torchrun_two_ranks_share_node_cache(s3_server: Any, slowlink: Any, tmp_
 
 @pytest.mark.timeout(TIMEOUT + 30)
 def test_torchrun_two_ranks_part_mix_each_block_once_per_node(s3_server: Any, slowlink: Any, tmp_path: Path) -> None:
-    """The default cold epoch, a part mix (``datacache._partmix``), read by 2 ranks x 2 workers of
+    """The default cold epoch, a part mix (``datacache.plan.part_shuffle``), read by 2 ranks x 2 workers of
     one node: every sample once, each shard's blocks crossed the link once for the node (ranged
     reads into the node's partial copies, single flight across the four processes), and the
     second epoch costs nothing. Counted in bytes at the proxy (ranged reads: GETs are blocks)."""

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 _PLAN = """
 import sys
 import numpy as np
-import datacache.dataset
-from datacache.plan import PlanSpec, build_plan
+import datacache.pytorch.dataset
+from datacache.plan.epoch import PlanSpec, build_plan
 before = set(sys.modules)
 counts = np.full(64, 100, dtype=np.int64)
 sizes = np.full(64, 1000, dtype=np.int64)

@@ -99,9 +99,9 @@ if ROOT not in sys.path:
 from datacache.config import parse_size  # noqa: E402
 from tools import bench_mix, bench_nodes, bench_report  # noqa: E402
 from tools.bench_launch import Meter, launch, memcpy_rate  # noqa: E402
+from tools.bench_quality import pooled  # noqa: E402
 from tools.bench_text import describe_run  # noqa: E402
 from tools.bench_write import ensure_datasets  # noqa: E402
-from tools.bench_quality import pooled  # noqa: E402
 
 SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 # "tuned": a peer's one documented speed setting; "match-*": tuned through its documented shuffle

@@ -54,7 +54,7 @@ UNAVAILABLE = {"fsspec": "the no-cache baseline has no mixing"}
 
 
 def _apportion(shares: tuple[str, ...], total: int) -> list[int]:
-    from datacache.streams import largest_remainder
+    from datacache.mixing.streams import largest_remainder
 
     return largest_remainder([Fraction(s) for s in shares], total)
 

@@ -36,8 +36,18 @@ if ROOT not in sys.path:
 
 from tools import bench_mix, bench_nodes  # noqa: E402
 from tools.bench_plots import charts, order_key, summarize_profile  # noqa: E402,F401 - bench.py uses it
-from tools.bench_text import (BEGIN, END, HEADLINE_BEGIN, HEADLINE_END, NOTES, head_lines,  # noqa: E402,F401
-                              headline_block, machine_line, readme_block, replace_blocks)
+from tools.bench_text import (  # noqa: E402,F401
+    BEGIN,
+    END,
+    HEADLINE_BEGIN,
+    HEADLINE_END,
+    NOTES,
+    head_lines,
+    headline_block,
+    machine_line,
+    readme_block,
+    replace_blocks,
+)
 
 PEERS = ("streaming", "litdata")
 

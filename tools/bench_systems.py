@@ -17,7 +17,7 @@ the system's documented shuffle knobs toward X's shuffle quality):
 
 - ``datacache``: its documented usage, ``datacache.DataLoader(ds, batch_size=B)``, which puts the
   dataset in batched mode (batches are collated in the worker into a shared-memory ring and cross
-  to the main process without a copy; see ``datacache._batches``). match-streaming:
+  to the main process without a copy; see ``datacache.pytorch.batches``). match-streaming:
   ``window`` = every shard of the dataset; match-litdata: ``window=1`` (one shard run at a time)
   and ``node_shuffle="never"`` (warm epochs too);
   dropin (warm only): the drop-in line, ``torch.utils.data.DataLoader(StreamingDataset(url),
@@ -75,7 +75,6 @@ from tools import bench_mix, bench_nodes  # noqa: E402
 from tools.bench_quality import BatchQuality  # noqa: E402
 from tools.bench_write import _s3fs, write  # noqa: E402
 
-
 PACKAGES = {"streaming": "mosaicml-streaming==0.13.0", "litdata": "litdata==0.2.76"}
 
 
@@ -121,8 +120,9 @@ def import_system(system: str) -> None:
         import litdata  # noqa: F401
         _litdata_allow_http()
     elif system in ("datacache", "fsspec"):
-        import datacache  # noqa: F401
         import s3fs  # noqa: F401
+
+        import datacache  # noqa: F401
     else:
         raise ImportError(f"unknown system {system!r}")
 
@@ -182,7 +182,7 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
         elif variant == "tuned":  # 4 shards ahead per worker
             kw["predownload"] = 4 * spec["samples_per_shard"]
         elif variant == "match-datacache":  # py1e blocks of datacache's window of shards
-            from datacache.plan import DEFAULT_WINDOW
+            from datacache.plan.epoch import DEFAULT_WINDOW
 
             kw.update(shuffle_algo="py1e", num_canonical_nodes=1,
                       shuffle_block_size=DEFAULT_WINDOW * spec["samples_per_shard"])
@@ -231,7 +231,7 @@ class FsspecShards(_iterable_base()):  # type: ignore[misc]
     def __iter__(self) -> Any:
         import torch.utils.data as tud
 
-        import readers
+        from datacache import readers
 
         # a persistent worker's copy never sees set_epoch: it counts its own epochs instead
         epoch, self.iters = self.epoch + self.iters, self.iters + 1

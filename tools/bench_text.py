@@ -61,7 +61,7 @@ VARIANTS = (
     "torch's own loader, `torch.utils.data.DataLoader(StreamingDataset(url, batch_size=B), batch_size=None)`, "
     "without torchdata's `StatefulDataLoader` (which `datacache.DataLoader` once was). "
     "`datacache+window` (cold, warm, shuffle): `node_shuffle='window'`, the cold epoch through the sliding window "
-    "instead of the default's part mix (datacache/_partmix.py).")
+    "instead of the default's part mix (datacache/plan/part_shuffle.py).")
 
 QUALITY = (
     "Quality: mean distinct classes per batch over the same for a uniform random permutation (computed exactly for "

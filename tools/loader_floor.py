@@ -8,7 +8,7 @@ A dataset that yields a constant one-field dict (no data, no decoding) behind
 ``next()`` per batch (median, p90) and as a share of the epoch: the consumer wait that any
 dataset pays on this machine before a byte of data moves (the ``warm`` scenario's floor).
 ``--no-range`` takes the batches as ``datacache.DataLoader`` does, without the profiler range
-torch's iterator opens around each one (``datacache.loader.batch_step``).
+torch's iterator opens around each one (``datacache.pytorch.loader.batch_step``).
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from typing import Any, Iterator
 import torch.utils.data as tud
 
 try:
-    from datacache.loader import batch_step
+    from datacache.pytorch.torch_compat import batch_step
 except ModuleNotFoundError:  # run from the checkout without an install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from datacache.loader import batch_step
+    from datacache.pytorch.torch_compat import batch_step
 
 
 class _Constant(tud.IterableDataset):

@@ -6,7 +6,7 @@ a consumer does before its first batch: the run's shard-to-node assignment (the 
 when it is created) and, at the start of an epoch (``StreamingDataset.__iter__``), its own plan and
 the node's schedule (every consumer of the node, this epoch and the next, shard level). Both
 node-level results are computed once per node and shared through the node cache's control
-directory (``datacache._nodeshare``), so two roles are measured, each in a fresh process:
+directory (``datacache.plan.node_share``), so two roles are measured, each in a fresh process:
 
 - the node's *first* consumer, which finds nothing shared and computes and publishes both;
 - every *other* consumer of the node, which maps the shared files and plans only for itself.
@@ -53,8 +53,8 @@ def _manifest(shards: int, per_shard: int) -> Any:
 
 def _epoch_start(manifest: Any, counts: np.ndarray, spec: Any, ranks: list[int], share: str) -> None:
     """What ``StreamingDataset.__iter__`` plans before its first batch."""
-    from datacache.nodeplan import node_schedule
-    from datacache.plan import build_plan
+    from datacache.plan.epoch import build_plan
+    from datacache.read.node_schedule import node_schedule
 
     build_plan(counts, spec)
     node_schedule(manifest, counts, spec, ranks, share_dir=share)
@@ -68,9 +68,10 @@ def run_role(samples: int, per_shard: int, nodes: int, ranks: int, workers: int,
     import numpy.ma as npy_ma  # imported by the first np.load
     import numpy.random as npy_random
 
-    from datacache import _nodeshare, nodeplan
-    from datacache._nodeorder import assign_nodes
-    from datacache.plan import PlanSpec
+    from datacache.plan import node_share as _nodeshare
+    from datacache.plan.epoch import PlanSpec
+    from datacache.plan.node_assign import assign_nodes
+    from datacache.read import node_schedule as nodeplan
 
     shards = -(-samples // per_shard)
     manifest = _manifest(shards, per_shard)

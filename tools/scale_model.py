@@ -5,7 +5,7 @@
                                 [--epochs 3] [--compute-s 0] [--png docs/bench/scale_model.png] [--json]
 
 For each node count it builds the run's node assignment and every node's epoch plans with
-``datacache.plan`` (node placement: the default with several nodes), then per epoch:
+``datacache.plan.epoch`` (node placement: the default with several nodes), then per epoch:
 
 - bytes: each node reads its share S_k in the first epoch and max(0, S_k - C_k) in each later one
   (the clairvoyant cache's bound; S_k from the real plan, spill shards included);
@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from datacache.config import format_size, parse_size  # noqa: E402
-from datacache.plan import PlanSpec, build_plan  # noqa: E402
+from datacache.plan.epoch import PlanSpec, build_plan  # noqa: E402
 
 S3_GETS_PER_PREFIX = 5500
 

@@ -31,9 +31,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqdm import tqdm  # noqa: E402
 
-from datacache.cache import NodeCache  # noqa: E402
+from datacache.cache.eviction import LRUPolicy  # noqa: E402
+from datacache.cache.node import NodeCache  # noqa: E402
 from datacache.config import CacheConfig, format_size, parse_size  # noqa: E402
-from datacache.eviction import LRUPolicy  # noqa: E402
 from datacache.hashing import hash_bytes, hash_file  # noqa: E402
 
 FORK = mp.get_context("fork")

@@ -17,11 +17,11 @@ import time
 import traceback
 from typing import Any
 
-from datacache.cache import NodeCache
+from datacache.cache.eviction import LRUPolicy
+from datacache.cache.index import Index
+from datacache.cache.node import NodeCache
 from datacache.config import CacheConfig
-from datacache.eviction import LRUPolicy
 from datacache.hashing import hash_bytes
-from datacache.index import Index
 
 KB = 1 << 10
 FORK = mp.get_context("fork")

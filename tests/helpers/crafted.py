@@ -7,8 +7,7 @@ from array import array
 from typing import Any
 
 import zstandard
-
-from readers import zstd as rzstd
+from datacache.readers import zstd as rzstd
 
 __all__ = ["craft_dcz", "bomb_frame"]
 

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader

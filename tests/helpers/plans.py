@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from datacache.plan import PlanSpec, build_plan
+from datacache.plan.epoch import PlanSpec, build_plan
 
 __all__ = ["all_plans", "check_exactly_once_and_equal_ranks", "SETTINGS", "counts_st", "node_specs"]
 

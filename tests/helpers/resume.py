@@ -166,7 +166,7 @@ def check_exactly_once(make_ds: Callable[..., Any], stages: Sequence[Stage], *, 
     dataset's repeats and subsets), checked instead of "every id below the sample count once".
     Every stage's rank states must agree (``common_state``): ranks save at the same step.
     Returns every sample id read, in order."""
-    from datacache.resume import common_state
+    from datacache.plan.resume import common_state
 
     seen: list[int] = []
     prev: list[Any] | None = None

@@ -1,0 +1,191 @@
+"""``datacache index`` and ``datacache write``: build manifests for existing files, convert data."""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from contextlib import closing
+
+from .. import readers
+from .._version import __version__
+from ..config import format_size
+from ..errors import DatacacheError, ManifestError, NotFoundError
+from ..errors import ReaderError as DcReaderError
+from ..manifest import MANIFEST_NAME, Manifest, ShardInfo, validate_shard_name
+from ..progress import Progress
+from ..store.storage import Store, open_store
+from ..writer import DatasetWriter
+from .common import Ctx, UsageError, _download, _mbps, _run_pool, _watch
+from .sources import open_source
+
+__all__ = ["cmd_index", "cmd_write"]
+
+_HINT = "Check --format and --pattern"
+
+
+def _probe(fmt: readers.ShardFormat, store: Store, name: str, size: int) -> tuple[int, dict[str, str]] | None:
+    """The format's cheap check of a remote object (range reads): (samples, schema) if it tells them."""
+    assert fmt.probe is not None
+    try:
+        return fmt.probe(lambda start, end: store.read_range(name, start, end), size, name)
+    except readers.ReaderError as exc:
+        raise DcReaderError(exc.message, url=store.url_of(name), hint=_HINT) from None
+
+
+def _local_count(fmt: readers.ShardFormat, path: str, url: str) -> tuple[int, dict[str, str]]:
+    """(samples, schema) of a local file, exactly as the dataset's reader will see it."""
+    try:
+        with fmt.open(path) as r:
+            return len(r), r.field_kinds()
+    except readers.ReaderError as exc:
+        raise DcReaderError(f"cannot read as {fmt.name}: {str(exc).replace(path, 'file')}", url=url,
+                            hint=_HINT) from None
+
+
+def _merge_schemas(fmt: readers.ShardFormat, schemas: list[tuple[str, dict[str, str]]],
+                   store: Store) -> dict[str, str]:
+    if not schemas:
+        return {}
+    first_name, merged = schemas[0][0], dict(schemas[0][1])
+    for name, schema in schemas[1:]:
+        if fmt.union_schema:  # e.g. WebDataset samples may lack some fields: the union
+            for k, v in schema.items():
+                if merged.setdefault(k, v) != v:
+                    raise ManifestError(f"field {k!r} is {v!r} here but {merged[k]!r} in {first_name}",
+                                        url=store.url_of(name), hint="All shards of a dataset need one schema")
+        elif schema != merged:
+            raise ManifestError(f"schema {json.dumps(schema)} differs from {json.dumps(merged)} in {first_name}",
+                                url=store.url_of(name), hint="All shards of a dataset need one schema; "
+                                "use --pattern to index the files of one table")
+    return merged
+
+
+_KNOWN_SPLITS = ("train", "test", "validation", "valid", "val", "dev")
+
+
+def _in_split(name: str, split: str) -> bool:
+    """Whether object ``name`` belongs to ``split`` in the Hugging Face layouts: a folder named so
+    (``default/train/0000.parquet``) or a file ``train-00000-of-00003.parquet`` / ``train.parquet``."""
+    *dirs, base = name.split("/")
+    return split in dirs or base.startswith(f"{split}-") or base.split(".", 1)[0] == split
+
+
+def cmd_index(ctx: Ctx) -> int:
+    a = ctx.args
+    fmt = readers.get_format(a.format)
+    pattern = a.pattern or f"*{fmt.extension}"
+    with closing(open_store(a.url, ctx.storage_options)) as store:
+        if not a.force and store.exists(MANIFEST_NAME):
+            raise UsageError(f"{store.url_of(MANIFEST_NAME)} already exists; pass --force to replace it")
+        objects = [(n, s) for n, s in store.list() if n != MANIFEST_NAME and fnmatch.fnmatchcase(n, pattern)
+                   and (a.split is None or _in_split(n, a.split))]
+        if not objects:
+            where = f" in split {a.split!r}" if a.split else ""
+            raise NotFoundError(f"no objects match {pattern!r}{where} under this prefix", url=store.url,
+                                hint="Check the URL, --pattern and --split")
+        splits = sorted({s for n, _ in objects for s in _KNOWN_SPLITS if _in_split(n, s)})
+        if len(splits) > 1 and a.split is None and a.pattern is None:
+            raise UsageError(f"objects of several splits match {pattern!r} under {store.url} ({', '.join(splits)}); "
+                             f"pass --split {'train' if 'train' in splits else splits[0]} (or --pattern)")
+        for n, _ in objects:
+            validate_shard_name(n, store.url_of(n))
+        total = sum(s for _, s in objects)
+        t0, stop = time.monotonic(), threading.Event()
+        counts: dict[str, tuple[int, dict[str, str]]] = {}
+        hashes: dict[str, str] = {}
+
+        # 1. cheap checks first, by the format: Parquet footers (row counts, schema), tar first headers.
+        def probe(item: tuple[str, int]) -> None:
+            if stop.is_set():
+                return
+            found = _probe(fmt, store, *item)
+            if found is not None:
+                counts[item[0]] = found
+        if fmt.probe is not None:
+            _run_pool(objects, probe, a.threads, stop, "datacache-index")
+
+        # 2. hash every object (and count tar/lmdb samples in the local copy hashing makes).
+        progress = Progress(ctx.quiet, total, "hashing", len(objects), "objects")
+        on_bytes = _watch(stop, progress)
+
+        def digest(item: tuple[str, int], tmpdir: str) -> None:
+            if stop.is_set():
+                return
+            name, size = item
+            path, h = _download(store, name, size, tmpdir, on_bytes, stop.is_set)
+            try:
+                if name not in counts:  # the probe could not tell: count in the local copy
+                    counts[name] = _local_count(fmt, path, store.url_of(name))
+            finally:
+                os.unlink(path)
+            hashes[name] = h
+            progress.item_done()
+        try:
+            with tempfile.TemporaryDirectory(prefix="datacache-index-") as tmpdir:
+                _run_pool(objects, lambda item: digest(item, tmpdir), a.threads, stop, "datacache-index")
+        finally:
+            progress.close()
+        schema = _merge_schemas(fmt, [(n, counts[n][1]) for n, _ in objects], store)
+        shards = tuple(ShardInfo(n, s, counts[n][0], hashes[n]) for n, s in objects)
+        manifest = Manifest(format=fmt.name, schema=schema, shards=shards,
+                            extra={"indexed_by": f"datacache {__version__}", "pattern": pattern,
+                                   **({"split": a.split} if a.split else {})})
+        store.write_bytes(MANIFEST_NAME, manifest.to_json().encode())
+        url = store.url_of(MANIFEST_NAME)
+    seconds = time.monotonic() - t0
+    ctx.emit({"url": url, "dataset_id": manifest.dataset_id, "format": fmt.name, "schema": schema,
+              "num_shards": len(shards), "num_samples": manifest.num_samples, "total_bytes": total,
+              "seconds": round(seconds, 3)},
+             [f"wrote {url}: {len(shards)} {fmt.name} shards, {manifest.num_samples:,} samples, {format_size(total)} "
+              f"(read once to hash, {_mbps(total, seconds):.1f} MB/s)",
+              f"  dataset id  {manifest.dataset_id}", f"  schema      {json.dumps(schema)}"])
+    return 0
+
+
+# -------------------------------------------------------------------------------------- write
+def cmd_write(ctx: Ctx) -> int:
+    a = ctx.args
+    source = open_source(a.src, a.src_type, group=a.group, shuffle=a.shuffle, seed=a.seed,
+                         storage_options=ctx.storage_options)
+    kind, samples = source.kind, source.samples
+    for warning in source.warnings:
+        print(f"datacache: warning: {warning}", file=sys.stderr)
+    t0 = time.monotonic()
+    with closing(open_store(a.dest, ctx.storage_options)) as dest:
+        if not a.force and dest.exists(MANIFEST_NAME):
+            raise UsageError(f"{dest.url_of(MANIFEST_NAME)} already exists; pass --force to overwrite the dataset")
+        n = 0
+        with DatasetWriter(dest.url, format=a.format, shard_bytes=a.shard_bytes, progress=not ctx.quiet,
+                           store=dest, overwrite=a.force) as w:
+            for sample in samples:
+                if a.format == "tar" and "__key__" in sample:  # tar members cannot name a "__" field
+                    sample = dict(sample)
+                    sample["key"] = sample.pop("__key__")
+                try:
+                    w.write(sample)
+                except (ValueError, TypeError) as exc:
+                    key = sample.get("__key__", sample.get("key"))
+                    where = f"sample {n}" + (f" ({key})" if isinstance(key, str) else "")
+                    raise DatacacheError(f"{where}: {exc}", url=a.src) from exc
+                n += 1
+            if n == 0:
+                raise DatacacheError("no samples found", url=a.src)
+        m = w.manifest
+        assert m is not None
+        url = dest.url
+    seconds = time.monotonic() - t0
+    classes = [] if source.classes is None else [f"  classes     {json.dumps(source.classes)} (label = index)"]
+    ctx.emit({"src": a.src, "src_type": kind, "url": url, "dataset_id": m.dataset_id, "format": m.format,
+              "schema": m.schema, "num_shards": len(m.shards), "num_samples": m.num_samples,
+              "total_bytes": m.total_bytes, "seconds": round(seconds, 3), "classes": source.classes},
+             [f"wrote {m.num_samples:,} samples from {a.src} ({kind}) to {url}: {len(m.shards)} {m.format} shards, "
+              f"{format_size(m.total_bytes)} in {seconds:.1f} s",
+              f"  dataset id  {m.dataset_id}", f"  schema      {json.dumps(m.schema)}", *classes])
+    return 0
+
+
+# ------------------------------------------------------------------------------------- verify

@@ -1,0 +1,437 @@
+"""Collated batches in reusable shared memory: one copy from the decoded shard into the batch.
+
+A DataLoader worker hands a tensor to the main process by moving its storage into a fresh shared
+segment and passing a file descriptor over a socket, one connection per tensor: here about
+0.8 ms per tensor, more than the copy itself, and the fresh pages are faulted in on both sides.
+:class:`BatchRing` avoids all of it. A batch's fixed-shape columns (tensors, arrays, numbers:
+see ``datacache.pytorch.collate``) are written into a *slot* of a ring mapped in both processes. What crosses the
+queue is the batch's structure (dicts, lists, namedtuples as default_collate makes them) with a
+small :class:`ShmTensor` where each such tensor goes; all of a batch's refer to one
+:class:`ShmBatch`, which pickle sends once and unpickles, in the receiving process, into tensors
+that are views of that slot (``_attach``). No copy, no descriptor, no fresh pages once the ring is
+warm. Such a batch must not be collated again: :class:`ShmTensor` refuses ``default_collate``
+with a line saying so (a DataLoader with a ``batch_size`` of its own over batched mode).
+
+Slot life cycle (one state byte per slot in the ring's header page)::
+
+    FREE --acquire (producer)--> IN_USE --last tensor of the batch freed (consumer)--> FREE
+
+All of a batch's tensors wrap numpy arrays made from one buffer object over the slot
+(``_span``), which marks the slot free when it is garbage: numpy keeps that object alive while
+any array or view made from it lives. Whatever keeps a tensor alive (a view,
+``.numpy()``, the DataLoader's reorder buffer, a user's list) keeps its slot, so a slot is never
+overwritten while any part of its batch can be read. When every slot is in use the producer does
+not wait: the batch is collated into ordinary memory (``ring.fallbacks`` counts these), which a
+DataLoader worker then moves into shared memory itself (``to_shared_memory``): torch's queue would
+do it in its feeder thread, where a full ``/dev/shm`` drops the batch with a printed traceback and
+the training process waits for it for ever; here the error reaches the training process instead.
+
+Files: a worker's ring is a file in ``/dev/shm`` (only a tmpfs, only with twice its size free),
+named ``datacache-batch-<main pid>-<worker pid>-<n>``. The consumer unlinks it when it attaches;
+a ring whose batches were never received is unlinked when its worker exits, and one left by a
+killed process is removed by the next ring created on the node. A worker keeps its ring for all
+its epochs (persistent workers): an epoch starts with warm, mapped slots. In the main process (no
+DataLoader workers) the ring is anonymous memory.
+
+Thread safety: a ring is filled by one producer thread; slots are freed from any thread.
+
+Batched mode's loop: a consumer's samples collated into whole batches by a batcher thread.
+
+A batcher thread (one ``Prefetcher.bounded``, ``_AHEAD`` batches ahead) collates the next batches
+while the current one is used, so the training loop (or a DataLoader worker's loop, sending the
+last batch) only ever takes a ready batch. The plan position after each batch handed out is
+reported through ``mark`` (what a resume state must record, not what the batcher has read).
+Used by one iterating thread; the batcher thread is the only other one and is closed, with the
+consumer, when the loop ends or is abandoned.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import operator
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import default_collate_fn_map
+
+from .._localfs import pid_alive as _alive
+from .._localfs import remove_if_exists as _unlink
+from ..errors import CacheError
+from ..read.consumer import Consumer
+from ..read.prefetch import Prefetcher
+from .collate import Field, Layout, assemble, collate, plan
+from .rounds import WorkerBatches
+
+__all__ = ["BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "batched", "collate", "sharing", "shm_available",
+           "to_shared_memory"]
+
+_PAGE = mmap.PAGESIZE
+_FREE, _IN_USE = 0, 1  # slot states: one byte per slot in the ring's header page
+_SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^datacache-batch-(\d+)-(\d+)-\d+$")
+_counter = itertools.count()
+
+
+class BatchRing:
+    """``slots`` batch slots of ``slot_bytes`` each, in a file under ``/dev/shm`` (``shared=True``:
+    batches cross to another process as :class:`ShmBatch`) or in anonymous memory (batches are
+    tensors at once). See the module docstring for the slot life cycle."""
+
+    def __init__(self, slot_bytes: int, slots: int = 16, *, shared: bool) -> None:
+        if not 1 <= slots <= _PAGE:
+            raise ValueError(f"slots must be in [1, {_PAGE}], got {slots}")
+        self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
+        self.slots = slots
+        self.size = _PAGE + slots * self.slot_bytes
+        self.path: str | None = None
+        self.fallbacks = self.published = 0
+        if shared:
+            self.path = _create_file(self.size)
+            with open(self.path, "r+b") as f:
+                self._mm = mmap.mmap(f.fileno(), self.size)
+            from multiprocessing import util
+
+            # At the producer's exit no batch of this ring will be received any more (a DataLoader
+            # reads every batch before it stops its workers, and drops the rest when abandoned).
+            util.Finalize(None, _unlink, args=(self.path,), exitpriority=10)
+        else:
+            self._mm = mmap.mmap(-1, self.size)
+            self._state = _SlotState(self._mm)
+
+    def acquire(self, nbytes: int) -> int | None:
+        """A free slot (now in use) for a batch of ``nbytes``, or None: too big, or every slot busy."""
+        if nbytes > self.slot_bytes:
+            self.fallbacks += 1
+            return None
+        # The lowest free slot: recently freed memory is still in the CPU caches (a round robin
+        # over all slots would write to memory that has long left them).
+        slot = self._mm.find(b"\x00", 0, self.slots)
+        if slot < 0:
+            self.fallbacks += 1
+            return None
+        self._mm[slot] = _IN_USE
+        return slot
+
+    def view(self, slot: int, f: Field) -> np.ndarray:
+        """Writable array for field ``f`` in ``slot``."""
+        return _field_array(self._mm, self._offset(slot), f)
+
+    def _offset(self, slot: int) -> int:
+        return _PAGE + slot * self.slot_bytes
+
+    def publish(self, slot: int, fields: Layout) -> list[Any]:
+        """The filled slot's fields as this process's tensors (anonymous ring) or as
+        :class:`ShmTensor` handles of one :class:`ShmBatch`."""
+        self.published += 1
+        if self.path is None:
+            return _tensors(self._state, self._mm, self._offset(slot), slot, fields)
+        batch = ShmBatch(self.path, self.size, self._offset(slot), slot, fields)
+        return [ShmTensor(batch, i) for i in range(len(fields))]
+
+    def abandon(self, slot: int) -> None:
+        """Give back a slot that was acquired but will not be published (its batch failed)."""
+        self._mm[slot] = _FREE
+
+    def in_use(self) -> int:
+        """Slots currently held (by batches being filled or not yet freed by their consumer)."""
+        return self.slots - self._mm[:self.slots].count(bytes([_FREE]))
+
+    def close(self) -> None:
+        """Stop producing. The mapping stays open until the ring is garbage: batches may still be
+        in flight to the consumer, which finds the file until it attaches. Idempotent."""
+        if self.path is not None and self.published == 0:
+            _unlink(self.path)
+
+
+class RingCollator:
+    """``collate`` into a :class:`BatchRing` made at the first batch and sized for it (``shared``:
+    a file in ``/dev/shm`` for a DataLoader worker; else anonymous memory), kept for the process's
+    later epochs (``pid`` tells a forked child not to use its parent's). Falls back to plain
+    collation when the ring cannot be made (no tmpfs, not enough free space). One producer thread."""
+
+    def __init__(self, *, shared: bool, slots: int = 16) -> None:
+        self.shared, self.slots, self.pid = shared, slots, os.getpid()
+        self.ring: BatchRing | None = None
+        self._tried = False
+
+    def __call__(self, samples: Sequence[Any]) -> Any:
+        batch = plan(samples)
+        if not self._tried:
+            self._tried = True
+            self.ring = self._make(batch.nbytes)
+        return assemble(samples, batch, self.ring)
+
+    def _make(self, nbytes: int) -> BatchRing | None:
+        slot = -(-(nbytes + nbytes // 8) // _PAGE) * _PAGE  # room for slightly larger batches
+        if nbytes == 0 or (self.shared and not shm_available(_PAGE + self.slots * slot)):
+            return None
+        try:
+            return BatchRing(slot, self.slots, shared=self.shared)
+        except OSError:
+            return None
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+
+
+def to_shared_memory(batch: Any) -> Any:
+    """``batch`` with every CPU tensor in it (through mappings, lists and tuples) moved into shared
+    memory now, in place, as torch's queue would move it when it sends the batch to the training
+    process. Called in a DataLoader worker on each batch before it is handed to torch, so that a
+    full ``/dev/shm`` raises here, in the worker's iteration (torch then re-raises it in the
+    training process), and not in the queue's feeder thread, which prints it, drops the batch, and
+    leaves the training process waiting for ever. Ring batches (``ShmTensor``) and tensors already
+    shared (``default_collate``'s in a worker) cost a type check each. Thread-safe for distinct
+    batches."""
+    if isinstance(batch, torch.Tensor):
+        if batch.layout == torch.strided and batch.device.type == "cpu" and not batch.is_shared():
+            _share(batch)
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            to_shared_memory(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            to_shared_memory(value)
+    return batch
+
+
+def sharing(collate_fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """``collate_fn`` whose batches are in shared memory when it returns (``to_shared_memory``)."""
+    def collate_shared(samples: list[Any]) -> Any:
+        return to_shared_memory(collate_fn(samples))
+
+    return collate_shared
+
+
+def _share(t: torch.Tensor) -> None:
+    try:
+        t.share_memory_()
+    except RuntimeError as exc:  # torch's: "unable to allocate shared memory(shm) for file </torch_...>: <cause>"
+        cause = str(exc).rsplit(": ", 1)[-1]
+        raise CacheError(f"{_SHM_DIR} has no room for a batch tensor of {t.nbytes} bytes ({cause}): DataLoader workers "
+                         "hand their batches to the training process through shared memory there; free space in it "
+                         "or make it larger (docker run --shm-size), or use fewer workers or smaller batches",
+                         url=_SHM_DIR) from exc
+
+
+class ShmBatch:
+    """A batch's ring slot, as sent through the DataLoader's queue; unpickles into the list of its
+    fields' tensors viewing the slot (in the receiving process, which then owns the slot until it
+    frees the tensors)."""
+
+    def __init__(self, path: str, size: int, offset: int, slot: int, fields: Layout) -> None:
+        self.args = (path, size, offset, slot, fields)
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return _attach, self.args
+
+
+class ShmTensor:
+    """Field ``index`` of a :class:`ShmBatch`, in the batch's structure; unpickles into its tensor
+    (pickle sends the batch once for all its fields)."""
+
+    __slots__ = ("batch", "index")
+
+    def __init__(self, batch: ShmBatch, index: int) -> None:
+        self.batch, self.index = batch, index
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return operator.getitem, (self.batch, self.index)
+
+
+def _refuse_collate(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
+    raise ValueError("datacache: the DataLoader collates batches that StreamingDataset(batch_size=...) already "
+                    "made: pass batch_size=None to the DataLoader, or drop batch_size from the dataset")
+
+
+default_collate_fn_map[ShmTensor] = _refuse_collate  # torch's documented way to extend default_collate
+
+
+class _SlotState:
+    """Frees slots of one mapping when the last tensor of their batch is gone (consumer side)."""
+
+    def __init__(self, mm: mmap.mmap) -> None:
+        self.mm = mm
+        self._live: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, slot: int, fields: int) -> None:
+        with self._lock:
+            self._live[slot] = fields
+
+    def drop(self, slot: int) -> None:
+        with self._lock:
+            left = self._live[slot] - 1
+            self._live[slot] = left
+            if left == 0:
+                del self._live[slot]
+                if not self.mm.closed:
+                    self.mm[slot] = _FREE
+
+
+def _field_array(buf: Any, base: int, f: Field) -> np.ndarray:
+    """Field ``f`` of the slot at ``base`` in ``buf`` (a ring's mapping or a slot's span)."""
+    dtype = _dtype(f.dtype)
+    return np.frombuffer(buf, dtype, f.nbytes // dtype.itemsize, base + f.offset).reshape(f.shape)
+
+
+def _free_slot(buf: Any) -> None:
+    buf.state.drop(buf.slot)
+
+
+_SPAN_TYPES: dict[int, type] = {}  # byte length -> ctypes array type whose instances free their slot
+
+
+def _span(mm: mmap.mmap, base: int, nbytes: int, state: _SlotState, slot: int) -> Any:
+    """The slot's first ``nbytes`` as one buffer object that frees the slot when it is garbage.
+
+    Every field's array is made from it, and numpy keeps the object an array was made from alive
+    for as long as any view of that array (or tensor over one) lives: one finaliser per batch, on
+    the very object its tensors keep alive (a finaliser per field costs the training loop 35 us
+    each in a step's cold caches)."""
+    kind = _SPAN_TYPES.get(nbytes)
+    if kind is None:
+        kind = _SPAN_TYPES.setdefault(nbytes, type("SlotSpan", (ctypes.c_char * nbytes,), {"__del__": _free_slot}))
+    buf = kind.from_buffer(mm, base)
+    buf.state, buf.slot = state, slot
+    return buf
+
+
+def _tensors(state: _SlotState, mm: mmap.mmap, base: int, slot: int, fields: Layout) -> list[torch.Tensor]:
+    state.hold(slot, 1)
+    if not fields:  # nothing views the slot (assemble takes none for such a batch)
+        state.drop(slot)
+        return []
+    buf = _span(mm, base, max(f.offset + f.nbytes for f in fields), state, slot)
+    return [torch.from_numpy(_field_array(buf, 0, f)) for f in fields]
+
+
+_DTYPES: dict[str, np.dtype] = {}
+
+
+def _dtype(name: str) -> np.dtype:
+    d = _DTYPES.get(name)
+    if d is None:
+        d = _DTYPES.setdefault(name, np.dtype(name))
+    return d
+
+
+# ---------------------------------------------------------------- consumer side (main process)
+# Attached rings by producer pid. A producer (a DataLoader worker) keeps one ring for its life, or
+# makes a new one after it, and its batches arrive in order: its new ring means no batch of the
+# previous one is still to come. Entries of producers that have exited are dropped whenever a new
+# ring is attached; the mapping itself lasts while any of its tensors does.
+_ATTACHED_RINGS: dict[int, tuple[str, _SlotState]] = {}
+_RINGS_LOCK = threading.Lock()
+
+
+def _attach(path: str, size: int, offset: int, slot: int, fields: Layout) -> list[torch.Tensor]:
+    """Unpickle a :class:`ShmBatch`: map its ring once (and unlink the file), return its tensors."""
+    producer = int(_NAME.match(os.path.basename(path)).group(2))  # type: ignore[union-attr]
+    with _RINGS_LOCK:
+        entry = _ATTACHED_RINGS.get(producer)
+    if entry is None or entry[0] != path:
+        entry = _attach_ring(producer, path, size)
+    state = entry[1]
+    return _tensors(state, state.mm, offset, slot, fields)
+
+
+def _attach_ring(producer: int, path: str, size: int) -> tuple[str, _SlotState]:
+    """Map a producer's new ring and unlink its file (the file system calls outside the lock)."""
+    mm = _map_existing(path, size)
+    with _RINGS_LOCK:
+        entry = _ATTACHED_RINGS.get(producer)
+        if entry is not None and entry[0] == path:  # another thread attached it meanwhile
+            return entry
+        entry = _ATTACHED_RINGS[producer] = (path, _SlotState(mm))
+        others = [p for p in _ATTACHED_RINGS if p != producer]
+    _unlink(path)
+    gone = [p for p in others if not _alive(p)]
+    with _RINGS_LOCK:
+        for pid in gone:
+            _ATTACHED_RINGS.pop(pid, None)
+    return entry
+
+
+def _map_existing(path: str, size: int) -> mmap.mmap:
+    try:
+        with open(path, "r+b") as f:
+            return mmap.mmap(f.fileno(), size)
+    except FileNotFoundError:
+        raise RuntimeError(f"datacache: batch ring {path} is gone (its DataLoader worker exited, or something "
+                           "removed it from /dev/shm); the batch cannot be read") from None
+
+
+# ---------------------------------------------------------------- files
+def _sweep() -> None:
+    """Remove rings left by processes that were killed (both ends dead)."""
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        m = _NAME.match(name)
+        if m and not _alive(int(m.group(1))) and not _alive(int(m.group(2))):
+            _unlink(os.path.join(_SHM_DIR, name))
+
+
+def shm_available(size: int) -> bool:
+    """Whether a ring of ``size`` bytes fits in ``/dev/shm`` with as much again to spare."""
+    try:
+        st = os.statvfs(_SHM_DIR)
+    except OSError:
+        return False
+    return os.access(_SHM_DIR, os.W_OK) and st.f_bavail * st.f_frsize >= 2 * size
+
+
+def _create_file(size: int) -> str:
+    _sweep()
+    path = os.path.join(_SHM_DIR, f"datacache-batch-{os.getppid()}-{os.getpid()}-{next(_counter)}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)  # backed now: a page /dev/shm cannot give later is a SIGBUS
+    except OSError:
+        os.close(fd)
+        _unlink(path)
+        raise
+    os.close(fd)
+    return path
+
+
+_AHEAD = 4  # batches collated ahead of the one handed out
+
+
+def batched(consumer: Consumer, batches: WorkerBatches, collate: Callable[[list[Any]], Any],
+            transform: Callable[[Any], Any] | None, mark: Callable[[int], None]) -> Iterator[Any]:
+    """Yield ``consumer``'s samples (``transform``ed) as ``batches`` says, each ``collate``d;
+    ``mark(position)`` before each batch is yielded (and once with the start position)."""
+    samples = iter(consumer)
+    cuts = batches.cuts
+
+    def make_batch(j: int) -> tuple[Any, int] | None:
+        n = batches.size if cuts is None else cuts[j] - consumer.consumed  # per_stream: cut at stream changes
+        batch = [transform(s) if transform else s for s in itertools.islice(samples, n)]
+        if not batch:
+            return None
+        return collate(batch), consumer.consumed
+
+    batcher: Prefetcher[int, Any] = Prefetcher.bounded(range(batches.count), make_batch, ahead=_AHEAD,
+                                                       name=f"{consumer.prefetcher.name}-batch")
+    mark(consumer.skip)
+    try:
+        for item in batcher:
+            if item is None:
+                break
+            mark(item[1])
+            yield item[0]
+    finally:
+        consumer.close()  # first: wakes the batcher thread if it waits on the consumer (Ctrl-C)
+        batcher.close()

@@ -1,0 +1,203 @@
+"""``datacache.DataLoader``: the line users write first, made the fast one.
+
+``torch.utils.data.DataLoader(ds, batch_size=32, num_workers=2)`` over samples pays PyTorch's
+per-sample path: every sample crosses ``next()`` in the worker, ``default_collate`` allocates a
+fresh shared-memory segment per batch field, and the training process maps each one. A
+``StreamingDataset`` in batched mode collates in the worker straight from the reader into a
+reusable shared-memory ring instead (``datacache.pytorch.batches``), but only for users who know to write
+``StreamingDataset(batch_size=32)`` with ``DataLoader(batch_size=None)``.
+
+``DataLoader`` takes torch's ``DataLoader`` signature and, over a ``StreamingDataset``, turns
+``batch_size=B`` into the dataset's batched mode: it sets the dataset's ``batch_size`` (and
+``collate_fn``, and ``drop_last`` when asked) and iterates the dataset through a plain torch
+``DataLoader(batch_size=None)``. Its ``state_dict``/``load_state_dict`` resume mid-epoch, exactly,
+as torchdata's ``StatefulDataLoader`` does, but with no per-batch snapshot of every worker's state:
+torch takes the workers' batches in turn and the dataset deals each worker known whole batches, so
+the number of batches handed out tells where every worker stands (``datacache.pytorch.rounds``). Over any
+other dataset it is torchdata's ``StatefulDataLoader``. A plain torch ``DataLoader`` over a
+samples-mode ``StreamingDataset`` keeps working as before (the slow path).
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch.utils.data as tud
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from ..read.headstart import HeadStart
+from .batches import collate
+from .dataset import StreamingDataset
+from .rounds import Rounds
+from .torch_compat import batch_step
+
+__all__ = ["DataLoader"]
+
+# torchdata 0.11's StatefulDataLoader.__init__ calls torch.set_vital, which torch >= 2.9 keeps only
+# as a deprecated no-op that warns on every call: the warning is torchdata's, not the user's, so
+# it is ignored while that constructor runs, and only it (warnings.catch_warnings swaps the
+# process's filters for that time, as any caller that builds a loader in one thread does).
+_NO_VITAL = "'set_vital' is deprecated"
+
+
+class DataLoader(StatefulDataLoader):
+    """torch's ``DataLoader`` that batches a datacache ``StreamingDataset`` in its workers, through
+    the dataset's batched mode, and resumes mid-epoch (torchdata's ``StatefulDataLoader`` over any
+    other dataset).
+
+    Arguments are torch's; what differs over a ``StreamingDataset``:
+
+    - ``batch_size``: becomes the dataset's ``batch_size`` (the loader below gets ``None``); the
+      default 1 yields batches of one, as torch's does, and ``None`` single samples. A dataset
+      already in batched mode keeps its own size: ``batch_size`` left at its default, ``None`` or
+      equal to the dataset's is accepted, another size is refused. ``len(loader)`` is the rank's
+      batch count.
+    - ``collate_fn``: becomes the dataset's ``collate_fn`` (``None`` or torch's
+      ``default_collate``: the dataset's ring collation, which gives what ``default_collate``
+      gives).
+    - ``drop_last=True``: sets the dataset's ``drop_last`` (every batch of every rank full; the
+      remainder across ranks is dropped rather than padded). ``False`` leaves the dataset's own.
+    - ``shuffle``, ``sampler``, ``batch_sampler``: refused (the dataset's seeded plan shuffles;
+      pass ``shuffle``/``seed`` to ``StreamingDataset``), as torch refuses them for any
+      ``IterableDataset``; so is ``in_order=False`` (the state counts on torch's in-order turns).
+    - ``snapshot_every_n_steps``: accepted and unused (there is no per-step snapshot).
+    - ``state_dict()``: the rank's complete ``StreamingDataset`` state (``datacache.plan.resume``), as of
+      the last batch handed to the training loop; ``load_state_dict`` takes it (or any state
+      ``StreamingDataset.load_state_dict`` takes) into the dataset, and the next iteration starts
+      fresh workers from it (persistent ones too).
+    - each iteration with workers gives them a head start: once they have forked, this process
+      fetches their first shards into the node cache while they start (``datacache.read.headstart``),
+      so a cold epoch's link does not idle through the workers' start-up.
+
+    The dataset is configured in place (``loader.dataset is ds``), before any iteration, so its
+    ``state_dict``, ``len()`` and ``set_epoch`` agree with the loader's. Not thread-safe, like
+    torch's loaders: one thread iterates and checkpoints it.
+    """
+
+    def __init__(self, dataset: tud.Dataset, batch_size: int | None = 1, shuffle: bool | None = None,
+                 sampler: Any = None, batch_sampler: Any = None, num_workers: int = 0,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool = False,
+                 drop_last: bool = False, **kwargs: Any) -> None:
+        self._plain: dict[str, Any] | None = None  # over a StreamingDataset: the torch loader's arguments
+        if isinstance(dataset, StreamingDataset):
+            for name, value in (("shuffle", shuffle), ("sampler", sampler), ("batch_sampler", batch_sampler)):
+                if value:
+                    raise ValueError(f"datacache.DataLoader: {name}= is not supported over a StreamingDataset, whose "
+                                     "seeded plan orders the samples: pass shuffle=/seed= to StreamingDataset instead")
+            if kwargs.get("in_order") is False:
+                raise ValueError("datacache.DataLoader: in_order=False is not supported over a StreamingDataset: its "
+                                 "resume state counts on torch taking the workers' batches in turn")
+            _configure(dataset, batch_size, collate_fn, drop_last)
+            batch_size, collate_fn, drop_last = None, None, False
+            kwargs.pop("snapshot_every_n_steps", None)
+            self._plain = dict(batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **kwargs)
+        with warnings.catch_warnings():  # see _NO_VITAL
+            warnings.filterwarnings("ignore", message=_NO_VITAL, category=UserWarning)
+            super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                             pin_memory=pin_memory, drop_last=drop_last, **kwargs)
+        self._head: HeadStart | None = None  # this iteration's (datacache.read.headstart)
+        self._reopen()
+
+    def _reopen(self) -> None:
+        """A fresh torch loader (new workers at the next iteration) and no iteration counted."""
+        self._torch = None if self._plain is None else tud.DataLoader(self.dataset, **self._plain)
+        self._live: _Counted | None = None
+
+    def __iter__(self) -> Any:
+        if self._torch is None:
+            return super().__iter__()
+        if self.num_workers == 0:  # the dataset, in this process, knows its own position
+            return iter(self._torch)
+        self._stop_head()
+        self.dataset.start_iteration()  # its epoch, decided here for the workers
+        rounds = self.dataset.worker_rounds(self.num_workers)
+        # Planned before the fork, so that the workers inherit the plans (a part mix of 200,000
+        # samples: about 0.1 s a process) and the head start's reads lead theirs; its threads
+        # start after the fork (see datacache.read.headstart).
+        head = self.dataset.head_start(self.num_workers, start=False)
+        try:
+            it = iter(self._torch)  # the workers start (and copy the dataset with any loaded state)
+        except BaseException:
+            if head is not None:  # planned, never started: nothing in flight, nothing left open
+                head.close()
+            raise
+        if head is not None:
+            head.start()
+        self._head = head
+        self.dataset.resume_started()
+        self._live = _Counted(it, rounds)
+        return self._live
+
+    def __len__(self) -> int:
+        if self._torch is None:
+            return super().__len__()
+        return self.dataset.num_batches()  # len(dataset) stays its sample count
+
+    def _stop_head(self) -> None:
+        head, self._head = self._head, None
+        if head is not None:
+            head.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._torch is None:
+            return super().state_dict()
+        ds = self.dataset
+        if self.num_workers == 0:
+            return ds.state_dict()
+        live = self._live
+        if live is None or live.rounds.base.epoch != ds.epoch:  # not iterated, or set_epoch moved on
+            return ds.worker_rounds(self.num_workers).state(0).to_dict()
+        return live.rounds.state(live.handed).to_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._torch is None:
+            super().load_state_dict(state_dict)
+            return
+        if state_dict == {}:  # as torchdata: nothing to load
+            return
+        self.dataset.load_state_dict(state_dict)
+        self._stop_head()
+        self._reopen()  # persistent workers hold the old dataset copy: start new ones
+
+
+class _Counted:
+    """The iterator ``DataLoader`` hands out over a ``StreamingDataset``'s workers: torch's, with
+    a count of the batches handed to the training loop. Used by one thread, as torch's."""
+
+    def __init__(self, it: Any, rounds: Rounds) -> None:
+        self._it, self.rounds, self.handed = it, rounds, 0
+        self._next = batch_step(it)
+
+    def __iter__(self) -> _Counted:
+        return self
+
+    def __next__(self) -> Any:
+        item = self._next()
+        self.handed += 1
+        return item
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+
+def _configure(ds: StreamingDataset, batch_size: int | None, collate_fn: Callable[[list[Any]], Any] | None,
+               drop_last: bool) -> None:
+    """Put ``ds`` in the batched mode the loader arguments ask for (see ``DataLoader``)."""
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"datacache.DataLoader: batch_size must be a positive int or None, got {batch_size!r}")
+    if ds.batch_size is not None and batch_size not in (None, 1, ds.batch_size):
+        raise ValueError(f"datacache.DataLoader: batch_size={batch_size}, but the dataset already yields batches of "
+                         f"{ds.batch_size} (StreamingDataset(batch_size={ds.batch_size})): pass one of the two")
+    if ds.batch_size is None and batch_size is not None:  # 1 too: torch's default yields batches of one
+        ds.batch_size, ds._loader_batched = batch_size, True
+    if collate_fn is not None and collate_fn is not tud.default_collate:
+        if ds.batch_size is None:
+            raise ValueError("datacache.DataLoader: collate_fn= needs a batch_size (batch_size=None yields samples one "
+                             "by one)")
+        ds.collate_fn = collate_fn
+    elif ds.batch_size is not None and ds.collate_fn is tud.default_collate:
+        ds.collate_fn = collate
+    if drop_last:
+        ds.drop_last = True
