@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import readers
+from .readers import ReaderError as _ShardReaderError
 
 __all__ = [
     "DatacacheError",
@@ -102,11 +102,11 @@ class IntegrityError(DatacacheError):
     """Bytes do not match the size or content hash declared in the manifest."""
 
 
-class ReaderError(DatacacheError, readers.ReaderError):
+class ReaderError(DatacacheError, _ShardReaderError):
     """A local shard file cannot be parsed by its reader (also a ``readers.ReaderError``)."""
 
     def __init__(self, message: str, *, url: str | None = None, hint: str | None = None) -> None:
-        DatacacheError.__init__(self, message, url=url, hint=hint)  # readers.ReaderError.__init__ runs
+        DatacacheError.__init__(self, message, url=url, hint=hint)  # the readers' ReaderError.__init__ runs
         self.url, self.hint, self.path = url, hint, url  # inside it (MRO) and resets these
 
     def __reduce__(self) -> tuple[Any, ...]:  # keep url/hint across pickling (DataLoader workers)

@@ -24,14 +24,13 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from . import readers
 from ._version import __version__
 from .config import parse_size
 from .errors import DatacacheError, DatasetExistsError
 from .hashing import hash_file
 from .manifest import MANIFEST_NAME, Manifest, ShardInfo, load_manifest
 from .progress import Progress
-from .readers import codec
+from .readers import codec, get_format
 from .store.storage import Store, open_store
 
 __all__ = ["DatasetWriter", "write_dataset"]
@@ -59,7 +58,7 @@ class DatasetWriter:
                  storage_options: Mapping[str, Any] | None = None, schema: dict[str, str] | None = None,
                  progress: bool = True, writer_options: Mapping[str, Any] | None = None,
                  store: Store | None = None, overwrite: bool = False) -> None:
-        self._fmt = readers.get_format(format)
+        self._fmt = get_format(format)
         self.shard_bytes = parse_size(shard_bytes)
         if not self.shard_bytes:
             raise ValueError(f"shard_bytes must be a positive size such as '64MB', got {shard_bytes!r}")
@@ -220,7 +219,7 @@ def _written_by_us(m: Manifest, name: str) -> bool:
     if m.extra:
         return False  # indexed (`datacache index`) or foreign: the files are not ours
     try:
-        ext = readers.get_format(m.format).extension
+        ext = get_format(m.format).extension
     except Exception:  # noqa: BLE001 - an unknown format: not ours to delete
         return False
     return re.fullmatch(rf"shard-\d{{6}}{re.escape(ext)}", name) is not None  # writers before write ids

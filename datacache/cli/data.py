@@ -10,13 +10,14 @@ import threading
 import time
 from contextlib import closing
 
-from .. import readers
 from .._version import __version__
 from ..config import format_size
 from ..errors import DatacacheError, ManifestError, NotFoundError
 from ..errors import ReaderError as DcReaderError
 from ..manifest import MANIFEST_NAME, Manifest, ShardInfo, validate_shard_name
 from ..progress import Progress
+from ..readers import ReaderError as ShardReaderError
+from ..readers import ShardFormat, get_format
 from ..store.storage import Store, open_store
 from ..writer import DatasetWriter
 from .common import Ctx, UsageError, _download, _mbps, _run_pool, _watch
@@ -27,26 +28,26 @@ __all__ = ["cmd_index", "cmd_write"]
 _HINT = "Check --format and --pattern"
 
 
-def _probe(fmt: readers.ShardFormat, store: Store, name: str, size: int) -> tuple[int, dict[str, str]] | None:
+def _probe(fmt: ShardFormat, store: Store, name: str, size: int) -> tuple[int, dict[str, str]] | None:
     """The format's cheap check of a remote object (range reads): (samples, schema) if it tells them."""
     assert fmt.probe is not None
     try:
         return fmt.probe(lambda start, end: store.read_range(name, start, end), size, name)
-    except readers.ReaderError as exc:
+    except ShardReaderError as exc:
         raise DcReaderError(exc.message, url=store.url_of(name), hint=_HINT) from None
 
 
-def _local_count(fmt: readers.ShardFormat, path: str, url: str) -> tuple[int, dict[str, str]]:
+def _local_count(fmt: ShardFormat, path: str, url: str) -> tuple[int, dict[str, str]]:
     """(samples, schema) of a local file, exactly as the dataset's reader will see it."""
     try:
         with fmt.open(path) as r:
             return len(r), r.field_kinds()
-    except readers.ReaderError as exc:
+    except ShardReaderError as exc:
         raise DcReaderError(f"cannot read as {fmt.name}: {str(exc).replace(path, 'file')}", url=url,
                             hint=_HINT) from None
 
 
-def _merge_schemas(fmt: readers.ShardFormat, schemas: list[tuple[str, dict[str, str]]],
+def _merge_schemas(fmt: ShardFormat, schemas: list[tuple[str, dict[str, str]]],
                    store: Store) -> dict[str, str]:
     if not schemas:
         return {}
@@ -76,7 +77,7 @@ def _in_split(name: str, split: str) -> bool:
 
 def cmd_index(ctx: Ctx) -> int:
     a = ctx.args
-    fmt = readers.get_format(a.format)
+    fmt = get_format(a.format)
     pattern = a.pattern or f"*{fmt.extension}"
     with closing(open_store(a.url, ctx.storage_options)) as store:
         if not a.force and store.exists(MANIFEST_NAME):

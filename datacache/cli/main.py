@@ -335,7 +335,7 @@ def _setup_logging(debug: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (see the module docstring)."""
-    from .. import readers
+    from ..readers import ReaderError as ShardReaderError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -357,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         _traceback(args.debug)
         return fail(EXIT_USAGE, _one_line(exc))
-    except (DatacacheError, readers.ReaderError, OSError) as exc:
+    except (DatacacheError, ShardReaderError, OSError) as exc:
         _traceback(args.debug)
         return fail(EXIT_DATA, _one_line(exc))
     except Exception as exc:  # unexpected: still one line unless --debug

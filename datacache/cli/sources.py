@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import readers
 from ..errors import DatacacheError, IntegrityError
 from ..manifest import MANIFEST_NAME, load_manifest
+from ..readers import get_format, open_shard
 from ..readers.tar import member_key
 from ..store.storage import open_store
 from .common import UsageError, _download
@@ -232,7 +232,7 @@ def _jsonl_samples(src: str, storage_options: dict[str, Any]) -> Iterator[dict[s
 
 def _parquet_samples(src: str, storage_options: dict[str, Any]) -> Iterator[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="datacache-write-src-") as tmpdir, \
-            readers.open_shard("parquet", _local_copy(src, storage_options, tmpdir)) as r:
+            open_shard("parquet", _local_copy(src, storage_options, tmpdir)) as r:
         for i, row in enumerate(r):
             yield normalize(row, f"row {i}", src)
 
@@ -240,7 +240,7 @@ def _parquet_samples(src: str, storage_options: dict[str, Any]) -> Iterator[dict
 def _dataset_samples(url: str, storage_options: dict[str, Any]) -> Iterator[dict[str, Any]]:
     with closing(open_store(url, storage_options)) as store:
         m = load_manifest(store)
-        fmt = readers.get_format(m.format)
+        fmt = get_format(m.format)
         with tempfile.TemporaryDirectory(prefix="datacache-write-src-") as tmpdir:
             for info in m.shards:
                 path, h = _download(store, info.name, info.bytes, tmpdir, lambda n: None)

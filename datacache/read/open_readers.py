@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from .. import readers
+from ..readers import ShardFormat
 
 __all__ = ["OpenShards", "open_shards"]
 
@@ -34,7 +34,7 @@ class OpenShards:
             collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def checkout(self, fmt: readers.ShardFormat, path: str, options: dict[str, Any]) -> Any:
+    def checkout(self, fmt: ShardFormat, path: str, options: dict[str, Any]) -> Any:
         """An open reader of ``path`` (reused if its file is unchanged); give it back with ``checkin``."""
         identity = _identity(path)
         key = (fmt.name, path)
@@ -51,7 +51,7 @@ class OpenShards:
         reader._datacache_identity = identity
         return reader
 
-    def checkin(self, fmt: readers.ShardFormat, path: str, reader: Any, options: dict[str, Any]) -> None:
+    def checkin(self, fmt: ShardFormat, path: str, reader: Any, options: dict[str, Any]) -> None:
         """Keep ``reader`` for the next run of the same file (readers opened with options are closed)."""
         if options:
             reader.close()

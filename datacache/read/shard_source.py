@@ -26,7 +26,6 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .. import readers
 from ..cache.eviction import Schedule
 from ..cache.node import CacheHandle, NodeCache
 from ..cache.node_policy import NodePolicy
@@ -34,6 +33,8 @@ from ..cache.partial import PartialGone, PartialShard
 from ..config import CacheConfig, RetryConfig, TransferConfig
 from ..errors import IntegrityError, NotFoundError, ReaderError
 from ..manifest import Manifest, load_manifest
+from ..readers import ReaderError as ShardReaderError
+from ..readers import get_format
 from ..store.storage import Store, open_store
 from .open_readers import open_shards
 
@@ -75,7 +76,7 @@ class ShardSource:
                  reader_options: Mapping[str, Any] | None = None) -> None:
         self.store, self.manifest, self.cache = store, manifest, cache
         self.reader_options = dict(reader_options or {})
-        self.fmt = readers.get_format(manifest.format)
+        self.fmt = get_format(manifest.format)
         self._init_parts()
 
     def _init_parts(self) -> None:
@@ -287,7 +288,7 @@ class ShardSource:
                 return out, reader
             pool.checkin(self.fmt, path, reader, self.reader_options)
             return out
-        except (readers.ReaderError, ValueError, OSError) as exc:
+        except (ShardReaderError, ValueError, OSError) as exc:
             if isinstance(exc, (ReaderError, IntegrityError)) or (not pooled and isinstance(exc, FileNotFoundError)):
                 raise  # a partial copy's FileNotFoundError: the caller reads the cache entry
             raise ReaderError(f"cannot read shard as {self.manifest.format!r}: {exc}", url=self.url(shard),
