@@ -11,14 +11,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from datacache.readers import ReaderError, codec
-from datacache.readers import zstd as rzstd
-from datacache.readers._bufpool import BufferPool
 from torch.utils.data import DataLoader
 
 from datacache import NodeCache, StreamingDataset, readers, write_dataset
 from datacache.pytorch.batches import BatchRing, RingCollator, collate
 from datacache.read.open_readers import OpenShards
+from datacache.readers import ReaderError, codec
+from datacache.readers import zstd as rzstd
+from datacache.readers._bufpool import BufferPool
 
 
 def _image(i: int, side: int = 16) -> np.ndarray:

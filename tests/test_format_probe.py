@@ -10,10 +10,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from datacache.readers import ReaderError
-from datacache.readers.tar import member_key
 
 from datacache import readers
+from datacache.readers import ReaderError
+from datacache.readers.tar import member_key
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from datacache.readers._dczindex import dcz_layout
 
 from datacache import CacheConfig, IntegrityError
 from datacache._localfs import key_id
 from datacache.cache.partial import PartialShard
 from datacache.plan.part_shuffle import part_rows
 from datacache.read.shard_source import PartHandle, ShardSource
+from datacache.readers._dczindex import dcz_layout
 from tests.helpers import faults as H
 
 SIZE, N, SHARD = 1000, 300, 100_000  # about 100 samples per shard, 4 samples a block

@@ -7,9 +7,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from datacache.readers import ReaderError
 
 from datacache import readers
+from datacache.readers import ReaderError
 from tests.helpers.layers import absolute_imports, circles, import_graph
 
 READERS = Path(readers.__file__).resolve().parent

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from datacache.readers import zstd as rzstd
 from torch.utils.data import default_collate
 
 from datacache import readers
+from datacache.readers import zstd as rzstd
 
 REPO = Path(__file__).resolve().parent.parent
 N = 12

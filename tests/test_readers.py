@@ -21,14 +21,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from datacache.readers import ReaderError, codec
-from datacache.readers import zstd as rzstd
-from datacache.readers._dczindex import HEAD
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from datacache import readers
+from datacache.readers import ReaderError, codec
+from datacache.readers import zstd as rzstd
+from datacache.readers._dczindex import HEAD
 from tests.helpers.crafted import bomb_frame, craft_dcz
 
 FORMAT_NAMES = sorted(readers.FORMATS)

@@ -7,6 +7,7 @@ from array import array
 from typing import Any
 
 import zstandard
+
 from datacache.readers import zstd as rzstd
 
 __all__ = ["craft_dcz", "bomb_frame"]
