@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 URL ?=
 
-.PHONY: test demo venv clean
+.PHONY: test test-fast lint demo venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,17 @@ venv: $(VENV)/.installed
 
 PYTEST_JOBS ?= 2
 
-test: venv
-	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+# The whole suite, lint first (CI runs this). --durations: the slowest tests, to keep the suite near 6 minutes.
+test: venv lint
+	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+
+# The fast tier for the edit-run loop: no S3 server, no process of a test's own (tests/helpers/tiers.py).
+test-fast: venv
+	DATACACHE_FAST_TIER=1 $(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile -m "not server and not subprocess" \
+		--durations=10 $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m ruff check .
 
 demo: venv
 	$(PY) tools/demo.py $(if $(URL),--url $(URL),)

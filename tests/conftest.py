@@ -103,3 +103,47 @@ def small_dataset(s3_server: SeaweedServer, make_s3_url: Callable[[], str]) -> t
     url, opts = make_s3_url(), s3_server.storage_options()
     return url, opts, H.write(url, opts, 40, 1000, shard_bytes=8 * 1000)
 
+
+
+# --- Test tiers -------------------------------------------------------------------------------------------
+# `make test` runs everything. `make test-fast` runs the fast tier, `-m "not server and not subprocess"`: the
+# tests that need neither the S3 server nor a process of their own (the edit-run loop). A test is in the
+# `server` tier when it uses a server fixture, and in the `subprocess` tier when tests/helpers/tiers.py lists
+# it (SPAWNING) or it is marked `@pytest.mark.subprocess`. In the fast tier the list is checked, not trusted:
+# a test there that starts a process (fork, spawn, subprocess) fails, naming what to mark.
+SERVER_FIXTURES = {"s3_server", "make_s3_url", "s3_store_url", "s3_storage_options", "slowlink", "small_dataset",
+                   "small_tmpfs"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "server: uses the session's S3 server (not in `make test-fast`)")
+    config.addinivalue_line("markers", "subprocess: starts processes: DataLoader workers, the CLI, torchrun "
+                            "(not in `make test-fast`)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tests.helpers.tiers import spawning
+
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        # a server fixture, or a backend parameter "s3" (whose fixture asks for the server itself)
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or "s3" in params.values():
+            item.add_marker(pytest.mark.server)
+        if spawning(item.nodeid):
+            item.add_marker(pytest.mark.subprocess)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In `make test-fast` (DATACACHE_FAST_TIER=1), a test of the fast tier may start no process."""
+    import os
+
+    node = request.node
+    checked = os.environ.get("DATACACHE_FAST_TIER") or os.environ.get("DATACACHE_TIER_PROBE")
+    if not checked or node.get_closest_marker("subprocess") or node.get_closest_marker("server"):
+        yield
+        return
+    from tests.helpers.tiers import forbid_processes
+
+    with forbid_processes(node.nodeid):
+        yield

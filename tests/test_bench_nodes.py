@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tools import bench_nodes  # noqa: E402
+from tools import bench_nodes
 
 # Each node writes a marker into /dev/shm and its TMPDIR, then lists what it sees there.
 _PROBE = ("import os, sys; k = os.environ['BENCH_NODE']; "
-          "open(f'/dev/shm/dcbench-probe-{k}', 'w').close(); open(os.path.join(os.environ['TMPDIR'], 'p'), 'w').close(); "
+          "open(f'/dev/shm/dcbench-probe-{k}', 'w').close(); "
+          "open(os.path.join(os.environ['TMPDIR'], 'p'), 'w').close(); "
           "print(k, os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['NNODES'], os.environ['TMPDIR'], "
           "sorted(f for f in os.listdir('/dev/shm') if f.startswith('dcbench-probe-')))")
 
@@ -58,7 +56,8 @@ def test_nodes_report_side_by_side_and_why_not() -> None:
 def test_each_node_writes_its_own_profile_and_they_are_joined(tmp_path: Path) -> None:
     """``--profile nodes``: a profiler's ``-o FILE`` becomes one file per node, joined after the run."""
     out = tmp_path / "profile.pyspy.txt"
-    write = "import os, sys; open(sys.argv[sys.argv.index('-o') + 1], 'w').write(f\"stack;{os.environ['BENCH_NODE']} 3\\n\")"
+    write = ("import os, sys; "
+             "open(sys.argv[sys.argv.index('-o') + 1], 'w').write(f\"stack;{os.environ['BENCH_NODE']} 3\\n\")")
     argv = [sys.executable, "-c", write, "-o", str(out)]
     for cmd, env in bench_nodes.node_processes(argv, 2, 12345, str(tmp_path / "run")):
         subprocess.run(cmd, env={"PATH": "/usr/bin:/bin", **env}, check=True, timeout=50)
