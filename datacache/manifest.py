@@ -144,7 +144,8 @@ class Manifest:
         try:
             doc = json.loads(text)
         except (ValueError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"manifest is not valid JSON (truncated or corrupt?): {exc}", url=url, hint=hint) from exc
+            raise ManifestError(f"manifest is not valid JSON (truncated or corrupt?): {exc}", url=url,
+                                hint=hint) from exc
         if not isinstance(doc, dict):
             raise ManifestError("manifest must be a JSON object", url=url, hint=hint)
         try:
@@ -160,7 +161,8 @@ class Manifest:
                                 f"({FORMAT_VERSION})", url=url, hint="Upgrade datacache")
         _check_algorithm(doc.get("hash_algorithm", ALGORITHM), "the manifest's hash_algorithm", url)
         schema = doc["schema"]
-        if not isinstance(schema, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in schema.items()):
+        if not isinstance(schema, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in schema.items()):
             raise ValueError("schema must map field names to kind strings")
         shards = []
         for raw in doc["shards"]:
@@ -189,7 +191,8 @@ def _check_algorithm(algorithm: Any, what: str, url: str | None) -> None:
     """ManifestError unless ``algorithm`` is the one datacache verifies shards with."""
     if algorithm != ALGORITHM:
         raise ManifestError(f"{what} is {algorithm!r}, but this datacache verifies shards only with "
-                            f"{ALGORITHM!r}", url=url, hint=f"Rebuild the manifest with `datacache index` or datacache.write_dataset "
+                            f"{ALGORITHM!r}", url=url,
+                            hint=f"Rebuild the manifest with `datacache index` or datacache.write_dataset "
                             f"(they hash with {ALGORITHM})")
 
 
@@ -206,7 +209,8 @@ def load_manifest(store: Any) -> Manifest:
                             "hold it)") from exc
         if isinstance(exc, FileNotFoundError):
             raise type(exc)(f"no {MANIFEST_NAME} at this prefix", url=url,
-                            hint="Check the URL, or build one with `datacache index` / datacache.write_dataset") from exc
+                            hint="Check the URL, or build one with `datacache index` / "
+                            "datacache.write_dataset") from exc
         raise
     if size > _MAX_MANIFEST_BYTES:
         raise ManifestError(f"manifest is {size} bytes, more than the {_MAX_MANIFEST_BYTES} allowed", url=url)

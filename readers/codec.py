@@ -298,7 +298,8 @@ def decode_uniform(block: memoryview, offset: int, length: int, count: int, sche
             v0 = first[field]
             col = rows[:, start:end].view(v0.dtype) if end > start else np.empty((count, 0), v0.dtype)
             col = col.reshape(count, *v0.shape)
-            columns.append(list(col) if pick is None and v0.ndim else [col[i, ...] for i in at])  # views; 0-d stay arrays
+            # views; 0-d stay arrays
+            columns.append(list(col) if pick is None and v0.ndim else [col[i, ...] for i in at])
         else:
             values = rows[:, start:end].view(_FIXED_KINDS[kind]).reshape(count).tolist()
             columns.append(values if pick is None else [values[i] for i in at])

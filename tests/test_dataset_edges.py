@@ -56,7 +56,8 @@ def test_indexing_a_streaming_dataset_names_the_map_style_one(url: str, cache: N
 
 
 def test_cached_dataset_takes_negative_indices_as_a_sequence(url: str, tmp_path: Any) -> None:
-    cfg = datacache.CacheConfig(ram_bytes="8MB", ssd_bytes=0, ram_dir=str(tmp_path / "ram"), ssd_dir=str(tmp_path / "s"))
+    cfg = datacache.CacheConfig(ram_bytes="8MB", ssd_bytes=0, ram_dir=str(tmp_path / "ram"),
+                                ssd_dir=str(tmp_path / "s"))
     ds = datacache.CachedDataset(url, cache=cfg)
     assert [int(ds[k]["i"]) for k in (-1, -N, np.int64(-2), torch.tensor(5))] == [N - 1, 0, N - 2, 5]
     for bad in (N, -N - 1):
@@ -243,7 +244,8 @@ def test_stats_give_the_datasets_own_figures_first(url: str, tmp_path: Any, cach
 
     def read(u: str) -> tuple[StreamingDataset, int]:
         ds = StreamingDataset(u, cache=cache, node_shuffle="never", batch_size=10)
-        assert len(ids(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers))) == ds.manifest.num_samples
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+        assert len(ids(loader)) == ds.manifest.num_samples
         return ds, ds.manifest.total_bytes + os.path.getsize(u.removeprefix("file://") + "/manifest.json")
 
     a, a_bytes = read(url)

@@ -26,7 +26,8 @@ def _rows(text: str) -> dict[str, dict[str, str]]:
     return {r["epoch"]: r for r in rows}
 
 
-def _epoch(epoch: int, wall: float, in_loop: float, remote: int, step_alone: float, batches: int = 100) -> dict[str, Any]:
+def _epoch(epoch: int, wall: float, in_loop: float, remote: int, step_alone: float,
+           batches: int = 100) -> dict[str, Any]:
     return {"epoch": epoch, "wall": wall, "wait": wall - in_loop, "compute": in_loop, "samples": 32 * batches,
             "batches": batches, "remote_bytes": remote, "step_alone": step_alone, "compute_bound": step_alone * batches}
 

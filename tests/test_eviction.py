@@ -140,7 +140,8 @@ def test_ram_bypass_falls_through_to_ssd(tmp_path):
 
     size = 1000
     seq = [f"k{i}" for i in range(6)] * 2
-    cfg = CacheConfig(ram_bytes=2 * size, ssd_bytes=4 * size, ram_dir=str(tmp_path / "ram"), ssd_dir=str(tmp_path / "ssd"))
+    cfg = CacheConfig(ram_bytes=2 * size, ssd_bytes=4 * size, ram_dir=str(tmp_path / "ram"),
+                      ssd_dir=str(tmp_path / "ssd"))
     data = {k: k.encode() * (size // len(k)) for k in set(seq)}
     data = {k: v.ljust(size, b"-") for k, v in data.items()}
     with NodeCache(cfg, policy=ClairvoyantPolicy(Schedule.from_sequence(seq), auto_advance=True)) as cache:

@@ -238,7 +238,9 @@ def test_shared_ring_file_left_by_killed_processes_is_removed() -> None:
 
 
 def _ring_files() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("datacache-batch-")} if os.path.isdir("/dev/shm") else set()
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {n for n in os.listdir("/dev/shm") if n.startswith("datacache-batch-")}
 
 
 @pytest.mark.timeout(120)

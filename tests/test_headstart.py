@@ -197,6 +197,7 @@ def test_a_part_mixed_epochs_first_sample_waits_for_worker_0s_first_chunk_alone(
     del it
     ds.close()
     if slow_start:
-        assert down <= first + second / 2, f"{down} B crossed before the first sample; worker 0's first chunk is {first} B"
+        assert down <= first + second / 2, \
+            f"{down} B crossed before the first sample; worker 0's first chunk is {first} B"
     else:
         assert down > first + second, f"{down} B crossed before the first sample without the lead"

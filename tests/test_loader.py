@@ -138,7 +138,8 @@ def test_collate_fn_runs_in_the_dataset(url: str, cache: NodeCache, workers: int
 @pytest.mark.parametrize("bad, match", [({"shuffle": True}, "shuffle= is not supported"),
                                         ({"sampler": [0, 1]}, "sampler= is not supported"),
                                         ({"batch_size": 0}, "batch_size must be a positive int"),
-                                        ({"batch_size": None, "collate_fn": ids_only}, "collate_fn= needs a batch_size"),
+                                        ({"batch_size": None, "collate_fn": ids_only},
+                                         "collate_fn= needs a batch_size"),
                                         ({"in_order": False}, "in_order=False is not supported")])
 def test_what_cannot_apply_is_refused_in_one_line(url: str, cache: NodeCache, bad: dict[str, Any],
                                                   match: str) -> None:
@@ -250,7 +251,8 @@ def _factory(url: str, cache: NodeCache) -> Any:
 
 
 @pytest.mark.parametrize("stages", [[Stage(2, 2, 4, load="loader"), Stage(2, 2)], [Stage(2, 2, 4), Stage(3, 1)],
-                                    [Stage(2, 0, 7), Stage(1, 2)]], ids=["same-layout", "more-ranks", "main-then-workers"])
+                                    [Stage(2, 0, 7), Stage(1, 2)]],
+                         ids=["same-layout", "more-ranks", "main-then-workers"])
 def test_resume_through_it_is_exactly_once(url: str, cache: NodeCache, stages: list[Stage]) -> None:
     """States saved from its workers (several ranks), resumed into the same loader or another layout."""
     check_exactly_once(_factory(url, cache), stages, epoch=1, loader_batch=8, loader=datacache.DataLoader)

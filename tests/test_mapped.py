@@ -18,7 +18,8 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def make(url: str, tmp_path, **kw) -> datacache.CachedDataset:
-    cfg = datacache.CacheConfig(ram_bytes="64MB", ssd_bytes=0, ram_dir=str(tmp_path / "ram"), ssd_dir=str(tmp_path / "ssd"))
+    cfg = datacache.CacheConfig(ram_bytes="64MB", ssd_bytes=0, ram_dir=str(tmp_path / "ram"),
+                                ssd_dir=str(tmp_path / "ssd"))
     return datacache.CachedDataset(url, cache=cfg, **kw)
 
 

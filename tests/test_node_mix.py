@@ -110,7 +110,8 @@ def test_a_head_plan_has_the_first_chunks_of_the_whole_plan(bs: int, dp: int, wo
             assert firsts[0] == firsts[1] and firsts[0], (r, w)
             # the training process's head start plans its workers' first RUNS_PER_WORKER chunks so
             two = build_plan(counts, spec, shards_only=True, head=RUNS_PER_WORKER * head)
-            firsts = [[(c, shard, rows) for c, shard, _, rows in first_chunks(p, 0, RUNS_PER_WORKER)] for p in (whole, two)]
+            firsts = [[(c, shard, rows) for c, shard, _, rows in first_chunks(p, 0, RUNS_PER_WORKER)]
+                      for p in (whole, two)]
             assert firsts[0] == firsts[1], (r, w)
 
 
@@ -270,10 +271,10 @@ def test_the_mixed_share_is_what_the_consumers_read() -> None:
 
 @pytest.mark.timeout(180)
 def test_epoch_zero_mixes_when_the_share_is_cached_already(sorted_url: str, cache: NodeCache) -> None:
-    """The default ("auto"; "window" likewise, but with the window) in epoch 0: a part mix on an empty cache (read part by part, ``datacache.plan.part_shuffle``);
-    a node mix once the share is cached (here by another seed's epoch, as ``datacache warm``
-    would), decided once: the same dataset and seed read again keep the decision their first
-    epoch 0 took."""
+    """The default ("auto"; "window" likewise, but with the window) in epoch 0: a part mix on an
+    empty cache (read part by part, ``datacache.plan.part_shuffle``); a node mix once the share is
+    cached (here by another seed's epoch, as ``datacache warm`` would), decided once: the same
+    dataset and seed read again keep the decision their first epoch 0 took."""
     def epoch0(seed: int) -> list[int]:
         ds = StreamingDataset(sorted_url, cache=cache, seed=seed)
         ds.set_epoch(0)

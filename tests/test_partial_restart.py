@@ -85,7 +85,8 @@ def _run(url: str, opts: dict[str, Any], cache: dict[str, Any], kill_when: Calla
             if kill_when is None:
                 _read(lines, got, until_end=True)
             else:
-                done = H.wait_for(lambda: os.waitpid(pid, os.WNOHANG)[0] == pid or (kill_when() and _scratch_files(cache)),
+                done = H.wait_for(lambda: (os.waitpid(pid, os.WNOHANG)[0] == pid
+                                           or (kill_when() and _scratch_files(cache))),
                                   60, "the job to fill partial copies")
                 got["killed"] = done is not True
                 if got["killed"] and sig != signal.SIGKILL:
@@ -145,7 +146,7 @@ def test_a_restart_after_kills_at_random_points_of_partial_fills_reads_every_sam
         link.bandwidth = 300_000  # about 1 s for the epoch's bytes: the kill finds fills in flight
         at = link.snapshot()["bytes_down"] + rng.uniform(0.05, 0.9) * total
         sig = signal.SIGINT if t % 3 == 2 else signal.SIGKILL  # a third of the kills are a Ctrl-C
-        killed = _run(url, opts, cache, lambda: link.snapshot()["bytes_down"] >= at, sig)
+        killed = _run(url, opts, cache, lambda at=at: link.snapshot()["bytes_down"] >= at, sig)
         assert "error" not in killed and killed["bad"] == 0, (t, killed)
         assert killed.get("interrupted", False) == (sig == signal.SIGINT and killed["killed"]), (t, killed)
         kills += killed["killed"]

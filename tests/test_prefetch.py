@@ -86,7 +86,7 @@ def test_waiting_consumer_raises_concurrency_and_calm_one_lowers_it() -> None:
     for i in range(200):  # the consumer is the bottleneck: its next result is stored before it asks
         assert ready[i].wait(10)
         with fast._ready:
-            assert fast._ready.wait_for(lambda: i in fast._results, 10)
+            assert fast._ready.wait_for(lambda i=i: i in fast._results, 10)
         assert fast.take() == i
     assert fast.waits == 0
     assert fast.active_threads == cfg.threads and fast.lookahead == cfg.lookahead_bytes
@@ -162,7 +162,8 @@ def test_consumer_slower_than_its_link_waits_only_for_the_first_shard(tmp_path, 
     for sample in ds:
         j = int(np.searchsorted(ends, len(got), side="right"))
         if j + 1 < len(m.shards):  # a slow consumer: it stays in shard j until shard j + 1 has arrived
-            H.wait_for(lambda: link.bytes_down - base >= through[j + 1], 60, f"shard {j + 1} while reading shard {j}")
+            H.wait_for(lambda j=j: link.bytes_down - base >= through[j + 1], 60,
+                       f"shard {j + 1} while reading shard {j}")
         got.append(int(sample["i"]))
     assert got == list(range(640))
     assert m.total_bytes <= link.bytes_down - base <= 1.05 * m.total_bytes

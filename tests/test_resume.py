@@ -42,7 +42,8 @@ SAVED_IN = ["main", "workers"]
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_resume_single_process_midpoints(dataset_url: str, cache: NodeCache, shuffle: bool) -> None:
-    ref = check_resume(factory(dataset_url, cache, shuffle=shuffle), [0, 1, N // 2, 137, N - 1, N, (150, 0, 1, 100)], epoch=2)
+    ref = check_resume(factory(dataset_url, cache, shuffle=shuffle), [0, 1, N // 2, 137, N - 1, N, (150, 0, 1, 100)],
+                       epoch=2)
     assert sorted(ref) == list(range(N))
 
 

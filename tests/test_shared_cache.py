@@ -117,8 +117,8 @@ def test_two_datasets_two_processes(two_datasets: list[tuple[str, int]], s3_serv
     capacity = sum(d for _, d in two_datasets) // 2
     cfg = _config(tmp_path, capacity, 0)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(HERE / "helpers" / "shared_cache_job.py"), url, cfg.ram_dir, cfg.ssd_dir,
-                               str(capacity), str(EPOCHS), repr(s3_server.storage_options())],
+    procs = [subprocess.Popen([sys.executable, str(HERE / "helpers" / "shared_cache_job.py"), url, cfg.ram_dir,
+                               cfg.ssd_dir, str(capacity), str(EPOCHS), repr(s3_server.storage_options())],
                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for url, _ in two_datasets]
     try:

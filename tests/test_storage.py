@@ -347,7 +347,8 @@ NEVER_WAIT = RetryConfig(base_delay=0.01, max_delay=0.05, deadline=20, connect_d
 @pytest.mark.parametrize("endpoint, cause", [
     (f"http://127.0.0.1:{free_ports(1)[0]}", "connection refused"),
     ("http://no-such-host.invalid:9000", "name not resolved"),
-], ids=["closed-port", "unresolvable-host"])  # fixed ids: xdist workers must collect the same tests (the port is random)
+    # fixed ids: xdist workers must collect the same tests (the port is random)
+], ids=["closed-port", "unresolvable-host"])
 def test_an_endpoint_that_never_answered_fails_at_open_naming_endpoint_and_cause(
         endpoint: str, cause: str, monkeypatch: Any) -> None:
     """A typo in the endpoint (a closed port, a name that does not resolve) is one line naming the

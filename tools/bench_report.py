@@ -17,8 +17,9 @@ repetition that failed is listed with its cause, and a system none of whose repe
 is shown as failed, never as a rival datacache beat. Bounds: link = bytes that must cross the link
 / bandwidth (D for a cold epoch, D - C for a limited epoch after the first, 0 when warm); compute =
 batches x step time, the step timed in the same run after each epoch with no batch moving
-(``bench_systems.measured_step``: a 20 ms sleep takes 20.2 ms on the 2-core VM); memcpy = D / measured copy rate. The relevant bound is the largest of the
-three. Quality: ``tools/bench_quality.py`` (1.0 = a uniform random permutation).
+(``bench_systems.measured_step``: a 20 ms sleep takes 20.2 ms on the 2-core VM); memcpy = D /
+measured copy rate. The relevant bound is the largest of the three. Quality:
+``tools/bench_quality.py`` (1.0 = a uniform random permutation).
 """
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"wall": wall, "wait_pct": 100 * sum(r["wait"] for r in m) / wall, "remote": remote,
             "samples_s": samples / wall, "samples": samples, "first_batch": m[0].get("first_batch") or 0.0,
             "gb_s": samples * r0["sample_bytes"] / wall / 1e9,
-            "memcpy_gb_s": r0["memcpy_rate"] / 1e9, "link": link, "compute": compute, "compute_nominal": nominal, "memcpy": memcpy,
+            "memcpy_gb_s": r0["memcpy_rate"] / 1e9, "link": link, "compute": compute, "compute_nominal": nominal,
+            "memcpy": memcpy,
             "bound": max(link, compute, memcpy), "D": D, "C": C,
             "exactly_once": all(r["samples"] == r0["n"] == r.get("unique_samples", r0["n"]) for r in m),
             **({"quality": sum(quality) / len(quality)} if quality else {}),

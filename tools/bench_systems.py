@@ -365,7 +365,8 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     wait, waits = sum(waits), [round(t, 5) for t in waits]
     return {"wall": wall, "own_wall": own, "wait": wait, "first_batch": first, "compute": batches * step,
             "compute_nominal": batches * compute,
-            "batches": batches, "samples": samples, "unique_samples": unique, "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
+            "batches": batches, "samples": samples, "unique_samples": unique,
+            "remote_bytes": m1["bytes_down"] - m0["bytes_down"],
             "requests": m1["requests"] - m0["requests"], "link_timeline": timeline, "batch_times": arrivals,
             "batch_waits": waits,
             "startup": startup, "first_ids": head, **(quality.summary() if quality is not None else {}),
@@ -388,7 +389,10 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
         spec = {**spec, "cache_dir": f"{spec['cache_dir']}-node{node}", "ssd_dir": f"{spec['ssd_dir']}-node{node}"}
         if spec.get("profile") and node != "0":  # node 0's pyinstrument report keeps the name bench.py reads
             spec["profile"] += f".node{node}"
-    barrier: Callable[[], None] = lambda: None
+    def no_barrier() -> None:
+        return None
+
+    barrier: Callable[[], None] = no_barrier
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
 

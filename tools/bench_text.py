@@ -54,8 +54,9 @@ VARIANTS = (
     "`shuffle_algo='py1e'`, `num_canonical_nodes=1`, `shuffle_block_size` = datacache's default window in shards "
     "x samples per shard (Streaming's documented shuffle knobs, toward datacache's quality); "
     "`datacache+match-streaming`: `window` = every shard (toward Streaming's); `datacache+match-litdata`: "
-    "`window=1` and `node_shuffle='never'` (toward LitData's). LitData has no knob that mixes across chunks (its `item_shuffle_window` "
-    "orders items inside a chunk), so it is not tuned toward datacache's quality. `datacache+dropin` (warm): the "
+    "`window=1` and `node_shuffle='never'` (toward LitData's). LitData has no knob that mixes across chunks "
+    "(its `item_shuffle_window` orders items inside a chunk), so it is not tuned toward datacache's quality. "
+    "`datacache+dropin` (warm): the "
     "drop-in line `torch.utils.data.DataLoader(StreamingDataset(url), batch_size=B)` over samples, beside the "
     "default `datacache.DataLoader(ds, batch_size=B)`. `datacache+torch` (warm, small, raw): batched mode through "
     "torch's own loader, `torch.utils.data.DataLoader(StreamingDataset(url, batch_size=B), batch_size=None)`, "
@@ -182,7 +183,8 @@ def describe_run(settings: dict[str, Any], command: str) -> dict[str, Any]:
                          capture_output=True, text=True)
     return {"command": command, "commit": git.stdout.strip() or "?", "machine": machine_line(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": versions,
-            "settings": {k: v for k, v in settings.items() if isinstance(v, (int, float, str, list, bool)) or v is None}}
+            "settings": {k: v for k, v in settings.items()
+                         if isinstance(v, (int, float, str, list, bool)) or v is None}}
 
 
 def replace_blocks(path: str, blocks: dict[tuple[str, str], str]) -> list[str]:

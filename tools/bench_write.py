@@ -65,7 +65,7 @@ def ensure_datasets(a: argparse.Namespace, server: Any, systems: list[str], data
             if key in out:
                 pass
             elif ds == "mix":  # three datasets, consecutive ids: tools/bench_mix.py
-                out[key] = bench_mix.dataset(n, lambda k, first, m: _dataset(
+                out[key] = bench_mix.dataset(n, lambda k, first, m, fmt=fmt, base=base, sb=sb, ds=ds: _dataset(
                     a, fs, opts, fmt, f"{base}-mix{k}-{first}+{m}x{sb}-{a.shard_bytes}", m, sb, f"{ds}{k}", first))
             else:
                 out[key] = _dataset(a, fs, opts, fmt, f"{base}-{n}x{sb}-{a.shard_bytes}", n, sb, ds)

@@ -41,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         m = datacache.write_dataset(samples, url, shard_bytes=shard_bytes - 1, progress=False)
         D = m.total_bytes
         C = int(D * args.fraction)
-        print(f"D = {D / 1e6:.1f} MB in {len(m.shards)} shards, C = {C / 1e6:.1f} MB, bound D - C = {(D - C) / 1e6:.1f} MB")
-        print("| policy | " + " | ".join(f"epoch {e + 1} remote MB" for e in range(args.epochs)) + " | epochs 2+ / (D - C) |")
+        print(f"D = {D / 1e6:.1f} MB in {len(m.shards)} shards, C = {C / 1e6:.1f} MB, "
+              f"bound D - C = {(D - C) / 1e6:.1f} MB")
+        print("| policy | " + " | ".join(f"epoch {e + 1} remote MB" for e in range(args.epochs))
+              + " | epochs 2+ / (D - C) |")
         print("|---|" + "---|" * (args.epochs + 1))
         for policy in ("lru", "clairvoyant"):
             cfg = datacache.CacheConfig(ram_bytes=C, ssd_bytes=0, ram_dir=os.path.join(tmp, policy, "ram"),

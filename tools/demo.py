@@ -122,7 +122,8 @@ def run_epoch(ds: Any, loader: Any, epoch: int, step: Any, meter: Any, keep: lis
             st = ds.cache.stats()
             wall = t2 - t_start
             bar.set_postfix_str(f"{samples / wall:.0f} samples/s, wait {100 * sum(waits) / wall:.0f}%, "
-                                f"hits ram/ssd {st['hits_ram']}/{st['hits_ssd']}, remote {(meter() - remote0) / 1e6:.0f} MB")
+                                f"hits ram/ssd {st['hits_ram']}/{st['hits_ssd']}, "
+                                f"remote {(meter() - remote0) / 1e6:.0f} MB")
         bar.update(1)
     bar.close()
     wall = time.perf_counter() - t_start
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers,  # batched mode
                                              persistent_workers=args.workers > 0)
         compute = args.compute
-        if compute == "model" and not (ds.manifest.schema.get("image") == "ndarray" and ds.manifest.schema.get("label") == "int"):
+        if compute == "model" and not (ds.manifest.schema.get("image") == "ndarray"
+                                       and ds.manifest.schema.get("label") == "int"):
             print("dataset has no 'image' array and 'label' int: simulating 20 ms of compute per batch", flush=True)
             compute = "sleep:0.02"
         step = make_step(compute)

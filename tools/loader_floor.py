@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=240)
     p.add_argument("--step", type=float, default=0.02, help="seconds of simulated compute per batch")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--no-range", action="store_true", help="skip torch's per-batch profiler range, as datacache.DataLoader")
+    p.add_argument("--no-range", action="store_true",
+                   help="skip torch's per-batch profiler range, as datacache.DataLoader")
     a = p.parse_args(argv)
     loader = tud.DataLoader(_Constant(a.batches), batch_size=None, num_workers=a.workers,
                             persistent_workers=a.workers > 0)

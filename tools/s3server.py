@@ -64,7 +64,8 @@ def check_bucket_name(name: str) -> str:
     if not 3 <= len(name) <= 63:
         rule = f"is {len(name)} characters long; bucket names have 3 to 63"
     elif not _BUCKET_RE.fullmatch(name):
-        rule = "may hold only lowercase letters, digits, dots and hyphens, and must start and end with a letter or digit"
+        rule = ("may hold only lowercase letters, digits, dots and hyphens, "
+                "and must start and end with a letter or digit")
     elif ".." in name:
         rule = "has two adjacent dots"
     elif re.fullmatch(r"\d+\.\d+\.\d+\.\d+", name):

@@ -188,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             proc.start()
         start.wait(timeout=120)  # every process has opened the cache and built its expected bytes
         t0 = time.monotonic()
-        total = lambda slot: sum(c[slot] for c in counters)
+
+        def total(slot: int) -> int:
+            return sum(c[slot] for c in counters)
+
         with tqdm(total=round(a.seconds), unit="s", file=sys.stderr, desc="stress", mininterval=0.5,
                   bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s{postfix}") as bar:
             while any(p.is_alive() for p in procs):

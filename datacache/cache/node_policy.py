@@ -8,8 +8,9 @@ dataset of a key being its prefix (``<dataset id>/<shard>``, ``Manifest.cache_ke
 
 - in this process, the schedules told with ``tell`` (a dataset that tells again, e.g. for a new
   epoch, replaces its schedule);
-- from other processes, the plans they published on the node's plan board (``datacache.cache.node.planboard``, under
-  the cache's RAM directory, see ``for_cache``), with their clocks. ``tell`` publishes this process's schedule there and ``on_access`` (every cache
+- from other processes, the plans they published on the node's plan board
+  (``datacache.cache.node.planboard``, under the cache's RAM directory, see ``for_cache``), with
+  their clocks. ``tell`` publishes this process's schedule there and ``on_access`` (every cache
   ``get``) reads the other plans' clocks (one ``pread`` each) and, at most every ``rescan_s``
   seconds, looks for new, changed and stale plans. A plan whose clock has not moved for
   ``stale_s`` seconds is ignored; one that no process holds any more is removed.

@@ -171,7 +171,7 @@ def _verify_cached(ctx: Ctx, manifest: Manifest, mismatches: list[dict[str, Any]
         files = cache.entry_files(prefix)
         progress = Progress(ctx.quiet, sum(e.size for _, e, _, _ in files), "verifying cache", len(files), "files")
         try:
-            for key, e, tier, path in files:
+            for key, _, tier, path in files:
                 fd = try_pin(path)
                 if fd is None:  # evicted meanwhile
                     continue

@@ -23,9 +23,10 @@ The order (``MixPlan.epoch_order``) handed to ``plan.build_plan`` as its pool:
 
 A resume with another layout re-lays the remainder out for the new layout (``resume_order``).
 
-On several nodes (``spec.num_nodes`` with ``placement="node"``) the composed order is node-sticky: the positions each node's ranks
-read are filled from the shards that node owns for the run (``datacache.mixing.plan``); the random batching
-leaves that to the plan (``plan.build_plan``'s node-sticky pool).
+On several nodes (``spec.num_nodes`` with ``placement="node"``) the composed order is node-sticky:
+the positions each node's ranks read are filled from the shards that node owns for the run
+(``datacache.mixing.plan``); the random batching leaves that to the plan (``plan.build_plan``'s
+node-sticky pool).
 
 Node-sticky composed batches: a mix's ``"stratified"`` / ``"per_stream"`` order on several nodes.
 Pure functions; results are read-only or fresh arrays (thread-safe).

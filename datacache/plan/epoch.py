@@ -374,7 +374,8 @@ def first_shards(counts: np.ndarray, spec: PlanSpec, order: np.ndarray | None = 
 def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int, per: int, padded: int,
                 shards_only: bool, head: int | None = None) -> ConsumerPlan | None:
     """The consumer's plan when its node's part is read as a node mix (``datacache.plan.node_shuffle``)
-    or a part mix (``datacache.plan.part_shuffle``), else None. ``segment`` holds the node's ranks from rank ``first`` on, ``per`` positions each.
+    or a part mix (``datacache.plan.part_shuffle``), else None. ``segment`` holds the node's ranks
+    from rank ``first`` on, ``per`` positions each.
     ``shards_only``: the same runs, without ``samples``/``run_of`` (computed all the same: a
     mixed consumer's runs depend on its samples)."""
     got = _mix_block(counts, spec, segment, first, per)

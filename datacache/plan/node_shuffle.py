@@ -90,7 +90,8 @@ def chunk_runs(piece: np.ndarray, offsets: np.ndarray, chunk: int) -> dict:
     chunk = max(1, int(chunk))
     if n == 0:
         z = np.zeros(0, dtype=np.int64)
-        return {"runs": [], "rows": Ragged(z, np.zeros(1, dtype=np.int64)), "run_of": z, "steps": np.zeros(1, dtype=np.int64), "starts": z, "window": 1}
+        return {"runs": [], "rows": Ragged(z, np.zeros(1, dtype=np.int64)), "run_of": z,
+                "steps": np.zeros(1, dtype=np.int64), "starts": z, "window": 1}
     shard = np.searchsorted(offsets, piece, side="right") - 1
     local = piece - offsets[shard]
     shards = len(offsets) - 1

@@ -170,7 +170,8 @@ class StreamingDataset(tud.IterableDataset):
         self._loader_batched = False  # batch_size set by datacache.DataLoader: len() stays the sample count
         self.prefetch = prefetch or PrefetchConfig()
         self.on_error = on_error
-        self._skips = SkipMarks(self.cache.control_dir) if on_error == "skip" else None  # one report per shard and epoch
+        # one report per shard and epoch
+        self._skips = SkipMarks(self.cache.control_dir) if on_error == "skip" else None
         self._own = OwnStats()  # stats()["dataset"]: this dataset's figures, over its DataLoader workers too
         self._flushed: Consumer | None = None  # the consumer whose figures were added to them last
         self.dist = dist or detect()

@@ -153,7 +153,7 @@ class _PlanState:
         local = ids - self.ds.manifest.offsets[shard]
         with self.prefetcher.take() as handle:
             rows = self.ds.source.read_rows(shard, handle, local.tolist())
-        self.decoded = {int(g): rows[int(l)] for g, l in zip(ids, local)}
+        self.decoded = {int(g): rows[int(row)] for g, row in zip(ids, local)}
 
     def close(self) -> None:
         self.prefetcher.close()

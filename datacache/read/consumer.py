@@ -64,7 +64,8 @@ class Consumer:
 
     def __init__(self, *, source: ShardSource, plan: ConsumerPlan, epoch: int, skip: int, prefetch: PrefetchConfig,
                  schedule: Schedule | None, on_error: str, name: str,
-                 lead: tuple[Sequence[LeadItem], Sequence[LeadItem]] = ((), ()), marks: SkipMarks | None = None) -> None:
+                 lead: tuple[Sequence[LeadItem], Sequence[LeadItem]] = ((), ()),
+                 marks: SkipMarks | None = None) -> None:
         """``source``: the dataset through the node cache; ``plan``: this consumer's reads in
         ``epoch``; ``skip``: plan positions already read (a resume); ``prefetch``: the fetch stage's
         config; ``schedule``: the node's schedule in force (``shards.tell_plan``), advanced as runs

@@ -63,7 +63,8 @@ def node_schedule(manifest: Manifest, counts: np.ndarray, spec: PlanSpec, dp_ran
              digest(first_plan_order), spec.seed, spec.epoch, spec.shuffle, spec.window, spec.drop_last,
              spec.dp_size, spec.num_workers, spec.batch_size, spec.num_nodes, spec.placement, ranks,
              spec.mix_bytes, spec.mix_from, spec.chunk_bytes, spec.in_turns,
-             digest(later), None if orders is None or first_plan_order is not None else digest(orders.epoch_order(spec)))
+             digest(later),
+             None if orders is None or first_plan_order is not None else digest(orders.epoch_order(spec)))
     name = "schedule-v2-" + hashlib.blake2b(repr(ident).encode(), digest_size=16).hexdigest()
     shards = len(counts)
     table = shared_array(share_dir, name, lambda: _schedule_table(counts, spec, ranks, first_plan_order, orders),

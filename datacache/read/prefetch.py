@@ -88,7 +88,8 @@ class Prefetcher(Generic[T, R]):
         ``size_of`` counts, e.g. samples), no adaptation: the plain pipeline stage (decoding,
         batching). ``load``, ``release``, ``name`` as for the constructor."""
         if ahead < 1:
-            raise ValueError(f"Prefetcher.bounded: ahead must be >= 1 (items, or the units size_of counts), not {ahead}")
+            raise ValueError("Prefetcher.bounded: ahead must be >= 1 (items, or the units size_of counts), "
+                             f"not {ahead}")
         config = PrefetchConfig(threads=1, max_threads=1, lookahead_bytes=ahead, max_lookahead_bytes=ahead,
                                 adaptive=False, slow_start=False)
         return cls(items, load, size_of=size_of, release=release, config=config, name=name)

@@ -180,7 +180,8 @@ class Congestion:
                 return self._private()
             state = _Mapped(mmap.mmap(fd, _SIZE))
             head = state.load()
-            if head["magic"] != _MAGIC or head["boot"] != _boot_id() or state.url_bytes() != self.url.encode()[:_URL_LEN]:
+            if (head["magic"] != _MAGIC or head["boot"] != _boot_id()
+                    or state.url_bytes() != self.url.encode()[:_URL_LEN]):
                 state.init(self.url, _boot_id())  # new file, or left from before a reboot
             state.add_inflight(os.getpid(), -(1 << 30))  # a reused pid starts from zero
             fcntl.flock(fd, fcntl.LOCK_UN)

@@ -234,7 +234,8 @@ class Store:
                     fs = fsspec.filesystem(self.protocol, **self._options, **self._session())
                 except Exception as exc:
                     raise StorageError(
-                        f"cannot create a {self.protocol!r} filesystem ({self._redact(f'{type(exc).__name__}: {exc}')})",
+                        f"cannot create a {self.protocol!r} filesystem "
+                        f"({self._redact(f'{type(exc).__name__}: {exc}')})",
                         url=self.url, hint="Check the URL scheme and storage_options; a missing backend "
                         "package (s3fs, gcsfs, adlfs) must be installed") from exc
                 if self.protocol in S3:

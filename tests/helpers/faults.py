@@ -4,9 +4,10 @@ child-process entry point.
 Sample ``i`` of a test dataset is ``{"i": i, "data": payload(i, size)}``: the payload is derived
 from ``i`` alone, so any process can check every byte it is served.
 
-``python -m tests.helpers.faults '<json spec>'`` (from the repository root) runs one StreamingDataset epoch (no DataLoader
-workers) in a fresh process and prints one JSON line: ``ids`` (in the order served), ``bad``
-(samples whose bytes are wrong), ``stats`` and ``reconciled`` (the cache's start-up report).
+``python -m tests.helpers.faults '<json spec>'`` (from the repository root) runs one
+StreamingDataset epoch (no DataLoader workers) in a fresh process and prints one JSON line:
+``ids`` (in the order served), ``bad`` (samples whose bytes are wrong), ``stats`` and
+``reconciled`` (the cache's start-up report).
 Warnings of the datacache loggers go to stderr. The spec holds ``url``, ``opts``, ``cache``
 (CacheConfig keywords), ``n`` and ``size``, and optionally ``transfer`` and ``prefetch``.
 """

@@ -9,10 +9,10 @@ num_workers=0, else that of a StatefulDataLoader, saved in its workers; n a mult
 payload_size (samples are ``tests.helpers.faults`` samples: check every sample's bytes) and
 persistent_workers (one DataLoader for every epoch, its workers kept, as training jobs run; not
 with stop) and lockstep (a TCP port: the ranks join a gloo process group there and all-reduce
-once per batch, as data-parallel training does, so no rank runs ahead of the others). Per epoch it writes the sample ids it
-got to ``out_dir/epoch{e}_rank{r}.json`` and its node cache's stats to ``stats{e}_rank{r}.json``
-(with ``bad``: the samples whose bytes were wrong), then
-waits for the test's ``go{e}`` file (so the test reads the proxy's counters between epochs).
+once per batch, as data-parallel training does, so no rank runs ahead of the others). Per epoch it
+writes the sample ids it got to ``out_dir/epoch{e}_rank{r}.json`` and its node cache's stats to
+``stats{e}_rank{r}.json`` (with ``bad``: the samples whose bytes were wrong), then waits for the
+test's ``go{e}`` file (so the test reads the proxy's counters between epochs).
 """
 from __future__ import annotations
 

@@ -236,5 +236,6 @@ def _check_elastic(make_ds: Callable[..., Any], reads: Sequence[int], world: Seq
         seen += stage
     assert total is not None
     assert set(seen) == set(range(total)), f"{total - len(set(seen))} samples never read"
-    assert len(seen) - total == (-unread) % world[-1], f"{len(seen) - total} duplicates, padding is {(-unread) % world[-1]}"
+    assert len(seen) - total == (-unread) % world[-1], \
+        f"{len(seen) - total} duplicates, padding is {(-unread) % world[-1]}"
     return seen
