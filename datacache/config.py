@@ -92,7 +92,7 @@ class TransferConfig:
     flight than an 8 MB part to keep the link busy past its latency. Four hide a 20 ms latency at
     50 MB/s without starving the first batch's blocks of the link (eight took it 1.2 s, not 0.5 s);
     raise it, as ``max_requests``, for a large bandwidth x latency product. A read of at most 64 KiB
-    (a shard's index or header, ``storage.SMALL_READ``) takes no slot.
+    (a shard's index or header, ``datacache.store.storage.SMALL_READ``) takes no slot.
 
     ``max_requests_per_s``: optional budget of requests per second to this store prefix for the
     whole node, kept by every process of the node together (a token bucket in the cache's control

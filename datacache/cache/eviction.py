@@ -9,8 +9,8 @@ A policy ranks entries by a *score*: the entry with the highest score is evicted
   entry it displaces is next used later than it is; a RAM victim is demoted to SSD only if it is
   used again within the schedule's horizon, and SSD admission applies the same test, so nothing is
   written to SSD that will not be reused within the budget's horizon.
-- ``nodepolicy.NodePolicy``: the same over the schedules of every dataset in use on the node (this
-  process's and the other processes' published ones); what ``shards.tell_plan`` installs.
+- ``node_policy.NodePolicy``: the same over the schedules of every dataset in use on the node (this
+  process's and the other processes' published ones); what ``datacache.read.shard_source.tell_plan`` installs.
 
 Bounds (D bytes read once per epoch through C < D bytes of cache): no policy hits more than C/D per
 epoch, so remote bytes >= D - C per epoch; MIN reaches it; LRU hits nothing for a fixed order and

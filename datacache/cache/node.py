@@ -6,7 +6,7 @@ called to write the bytes into a temporary file in the target tier (the cache im
 code). The temporary file is fsynced, its size and hash verified, and only then renamed into place
 and recorded in the index, so a crash leaves nothing or a complete, verified entry.
 
-Concurrency (see ``tiers`` for the locks):
+Concurrency (see ``datacache._localfs`` for the locks):
 
 - One fetch per key per node: the fetcher holds the key's ``flock``; other threads and processes
   asking for the key block on it in the kernel and find the entry when it is released. A fetcher
@@ -447,13 +447,13 @@ class NodeCache:
 
     def entry_files(self, prefix: str = "") -> list[tuple[str, Entry, str, str]]:
         """(key, entry, tier, file path) of every entry file whose key starts with ``prefix``. A
-        snapshot: a file may be evicted at any time, so pin it (``tiers.try_pin``) before reading."""
+        snapshot: a file may be evicted at any time, so pin it (``datacache._localfs.try_pin``) before reading."""
         return [(key, e, tier, self.tiers[tier].file_path(rec["file"]))
                 for key, e in self.entries() if key.startswith(prefix) for tier, rec in e.tiers.items()]
 
     def pinned(self) -> dict[str, dict[str, int]] | None:
         """Entries pinned now per tier (``{"ram": {"entries", "bytes"}, "ssd": ...}``: held open by
-        a reader, so not evictable), or None where pins cannot be seen (``tiers.pinned_files``)."""
+        a reader, so not evictable), or None where pins cannot be seen (``datacache._localfs.pinned_files``)."""
         files = self.entry_files()
         held = pinned_files([path for *_, path in files])
         if held is None:

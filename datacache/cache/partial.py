@@ -21,7 +21,7 @@ Files, per key id ``kid``:
 - ``<lock dir>/<kid>.part``: the state, written once the fixed ranges are in (temp file and
   ``os.replace``): a header naming the scratch file and its identity (device and inode), then one
   byte per unit (1: filled), mapped shared by every process using it.
-- ``<lock dir>/<kid>.u<n>.lock``: one kernel ``flock`` per unit (``tiers.KeyLock``), held by the one
+- ``<lock dir>/<kid>.u<n>.lock``: one kernel ``flock`` per unit (``datacache._localfs.KeyLock``), held by the one
   thread on the node that is fetching unit ``n``; ``u0``: creating the copy (the fixed ranges),
   or completing it. Waiters block in the kernel; a fetcher that dies releases its units with its
   file descriptors. These locks are the single flight of a fetch, held for its duration as

@@ -1,5 +1,5 @@
 """The node's plan board: the schedules of every dataset in use on the node, published in a directory
-of the node cache, so that each process's clairvoyant policy (``nodepolicy``) knows the future
+of the node cache, so that each process's clairvoyant policy (``node_policy``) knows the future
 reads of the other processes too, not only its own.
 
 Layout under ``<dir>/plans/``, one *plan* per distinct schedule (every consumer of one

@@ -338,7 +338,7 @@ def _mix_block(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int, 
               composed=spec.composed, spread_nodes=spec.num_nodes > 1 and spec.layout_nodes == 1, share_bytes=share)
     if node_mixes(**kw):
         return block, False
-    if spec.layout_nodes == 1 and part_mixes(part_bytes=spec.part_bytes, **kw):  # see _partmix
+    if spec.layout_nodes == 1 and part_mixes(part_bytes=spec.part_bytes, **kw):  # see part_shuffle
         return block, True
     return None
 
