@@ -12,6 +12,7 @@ without root's privileges. ``give_away(path)`` is what the chown tests call.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import shutil
@@ -120,6 +121,11 @@ def _needed_paths() -> set[Path]:
     resolved), its prefixes and the existing ``sys.path`` entries (directories, or a zip's folder)."""
     found = {ROOT, Path(sys.executable).parent, Path(os.path.realpath(sys.executable)).parent,
              Path(sys.prefix), Path(sys.base_prefix)}
+    # an editable install maps these by absolute path, which need not be ROOT (a checkout mounted elsewhere)
+    for name in ("datacache", "datacache.readers"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            found.add(Path(spec.origin).parent)
     for entry in sys.path:
         p = Path(entry or ".").absolute()
         if p.exists():
