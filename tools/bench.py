@@ -1,7 +1,9 @@
 """datacache against its peers on one emulated WAN link: ``python tools/bench.py --out DIR``.
 
-    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle,nodes,shuffle,mix]
-                          [--systems datacache,streaming,litdata,fsspec] [--variants default,tuned,matched,dropin,torch]
+    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle,nodes,shuffle,mix,
+                                     small-1024,raw-bytes,warm-bytes,limited-bytes,images]
+                          [--systems datacache,streaming,litdata,fsspec]
+                          [--variants default,tuned,matched,dropin,torch,window,never]
                           [--reps 3] [--storm 30] [--profile SCENARIO] [--readme README.md] --out DIR
 
 Install: ``pip install -c constraints.txt -e '.[bench]'`` (constraints.txt pins the installed torch,
@@ -41,6 +43,10 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
   1.5 x), a cold epoch then a warm one, through each system's mixing API: samples per stream
   against expected, remote bytes against the drawn samples' bytes (``tools/bench_mix.py``; its own
   table in the report).
+- small-1024, raw-bytes, warm-bytes, limited-bytes: derived from small, raw, warm, limited (batch 1024; the
+  same 64 KiB samples as a ``bytes`` field), run beside them for issue 40's ratios; images: JPEGs made
+  at bench time, decoded and randomly cropped in the workers, batch 64 (``tools/bench_derived.py``,
+  ``tools/bench_images.py``).
 
 Equal terms: every system gets the same batch size, DataLoader workers and
 ``persistent_workers=True``, each through its documented loader (``tools/bench_systems.py``); the
@@ -61,7 +67,13 @@ the default ``datacache.DataLoader(ds, batch_size=B)``; ``datacache+torch`` (war
 ``torch.utils.data.DataLoader(StreamingDataset(url, batch_size=B), batch_size=None)``, batched mode
 without torchdata's StatefulDataLoader (the default's base class before 11bac14);
 ``datacache+window`` (cold, warm, shuffle): ``node_shuffle="window"``, the cold epoch through
-the sliding window rather than the default's part mix. The mix scenario runs the default variants only.
+the sliding window rather than the default's part mix; ``datacache+never`` (raw, raw-bytes, small,
+small-1024): ``node_shuffle="never"``, the warm epoch in the sliding window's order, beside the
+default's uniform shuffle. The mix scenario runs the default variants only.
+
+CPU: every epoch records the CPU-seconds of the run's processes (the training process, every
+DataLoader worker, any helper process a system starts: ``tools/bench_cpu.py``), reported as CPU
+seconds per GB delivered beside wall and wait.
 
 A failed or aborted repetition stays in ``results.jsonl`` with its cause; the tables print n
 (repetitions completed of run) per cell and show a system none of whose repetitions completed as
@@ -97,7 +109,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from datacache.config import parse_size  # noqa: E402
-from tools import bench_mix, bench_nodes, bench_report  # noqa: E402
+from tools import bench_cpu, bench_derived, bench_mix, bench_nodes, bench_report  # noqa: E402
 from tools.bench_launch import Meter, launch, memcpy_rate  # noqa: E402
 from tools.bench_quality import pooled  # noqa: E402
 from tools.bench_text import describe_run  # noqa: E402
@@ -110,13 +122,14 @@ SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 # datacache's batched mode through a plain torch DataLoader (batch_size=None), run in TORCH only;
 # "window": datacache with node_shuffle="window" (its cold epoch through the sliding window, not
 # the default's part mix), run in MATCHED only
-VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "window"),
+VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "window", "never"),
             "streaming": ("default", "tuned", "match-datacache"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
 MATCHED = ("cold", "warm", "shuffle")
 DROPIN = ("warm",)
 TORCH = ("warm", "small", "raw")
-SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes", "shuffle", "mix")
+SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes", "shuffle",
+             "mix") + bench_derived.SCENARIOS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -125,11 +138,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="160 MB (small: 20 MB), 1 rep: about 5 minutes")
     p.add_argument("--scenario", default=",".join(SCENARIOS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--variants", default="default,tuned,matched,dropin,torch,window",
+    p.add_argument("--variants", default="default,tuned,matched,dropin,torch,window,never",
                    help="settings to run: default, tuned, matched (the match-* variants, in cold, warm, shuffle), "
                         "dropin (datacache over samples through torch's DataLoader, in warm), torch (datacache's "
                         "batched mode through torch's DataLoader, in warm, small, raw), window (datacache's cold epoch "
-                        "through the sliding window, in cold, warm, shuffle)")
+                        "through the sliding window, in cold, warm, shuffle), never (datacache with "
+                        "node_shuffle='never', in raw, raw-bytes, small, small-1024)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
     p.add_argument("--size", help="dataset size (default 500MB; 160MB with --quick)")
     p.add_argument("--small-size", help="1 KiB-sample dataset size (default 100MB; 20MB with --quick)")
@@ -144,6 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bandwidth", default="50MB", help="link bandwidth, bytes/s, shared by all connections")
     p.add_argument("--latency", type=float, default=0.02, help="per-request latency, s")
     p.add_argument("--storm", type=float, default=30.0, help="throttle scenario: seconds of 503 SlowDown")
+    bench_derived.add_args(p)
     p.add_argument("--profile", metavar="SCENARIO", help="also run datacache under a profiler for SCENARIO")
     p.add_argument("--profiler", choices=("auto", "py-spy", "pyinstrument"), default="auto",
                    help="auto: py-spy if installed (every process and thread), else pyinstrument (main process)")
@@ -163,6 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.shard_bytes = parse_size(a.shard_bytes or "16MB")
     a.sample_bytes, a.small_sample_bytes = parse_size(a.sample_bytes), parse_size(a.small_sample_bytes)
     a.bandwidth = float(parse_size(a.bandwidth))
+    bench_derived.parse(a)
     a.scenarios = [s for s in a.scenario.split(",") if s]
     a.system_list = [s for s in a.systems.split(",") if s]
     for s in a.scenarios:
@@ -207,6 +223,8 @@ def runs_in(variant: str, scenario_name: str) -> bool:
         return scenario_name in DROPIN
     if variant == "torch":
         return scenario_name in TORCH
+    if variant == "never":
+        return bench_derived.runs_never(scenario_name)
     return scenario_name != "mix" or variant == "default"
 
 
@@ -260,7 +278,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     sc = dict(sc)
     D = info["bytes"]
     dc_D = ctx["datasets"][f"datacache/{sc['dataset']}"].get("bytes", D)
-    if sc["name"] == "limited":
+    if sc["base"] == "limited":
         sc["cache_bytes"] = dc_D // 2  # the same budget C for every system
     if sc["name"] == "nodes":
         sc["cache_bytes"] = int(0.3 * dc_D)  # per node
@@ -330,6 +348,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
             rec["rank_samples"] = [n[r["epoch"]] for n in res["rank_samples"]]
             rec["samples"] = sum(rec["rank_samples"])  # the node's
             rec["quality"] = pooled([q[r["epoch"]] for q in res["rank_quality"]])  # every rank's batches
+            rec.update(bench_cpu.node_total([c[r["epoch"]] for c in res["rank_cpu"]]))  # a session counted once
         out.append(rec)
     return out
 
@@ -363,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.tmp, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     command = " ".join(["python", "tools/bench.py"] + (sys.argv[1:] if argv is None else list(argv)))
-    scs = [scenario(s, a) for s in a.scenarios]
+    scs = [bench_derived.scenario(scenario, s, a) for s in a.scenarios]
     chosen = a.variants.split(",")
     variants = [(s, v) for s in a.system_list for v in VARIANTS[s]
                 if v == "default" or v in chosen or (v.startswith("match-") and "matched" in chosen)]
@@ -394,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                         f.writelines(json.dumps(r) + "\n" for r in recs)
                     print(bench_report.progress_line(recs), flush=True)
         if a.profile:
-            sc = scenario(a.profile, a)
+            sc = bench_derived.scenario(scenario, a.profile, a)
             base = os.path.join(os.path.abspath(a.out), f"profile-{a.profile}")
             recs = run_one(a, ctx, "datacache", "default", sc, rep=-1, profile=base)
             print("profile: " + bench_report.summarize_profile(base), flush=True)

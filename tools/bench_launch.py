@@ -63,7 +63,8 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
-               LITDATA_DISABLE_VERSION_CHECK="1", AWS_EC2_METADATA_DISABLED="true", TQDM_DISABLE="1")
+               LITDATA_DISABLE_VERSION_CHECK="1", AWS_EC2_METADATA_DISABLED="true", TQDM_DISABLE="1",
+               BENCH_CPU_SCOPE="session")  # each run is a session of its own (start_new_session): tools/bench_cpu.py
     return env
 
 
@@ -132,6 +133,8 @@ def launch(cmd: str, spec: dict[str, Any], path: str, timeout: float, ranks: int
     if ranks > 1 and "records" in results[0]:
         results[0]["rank_own_walls"] = [[r["own_wall"] for r in res["records"]] for res in results]
         results[0]["rank_samples"] = [[r["samples"] for r in res["records"]] for res in results]
+        results[0]["rank_cpu"] = [[{k: v for k, v in r.items() if k.startswith("cpu_")} for r in res["records"]]
+                                  for res in results]
         results[0]["rank_quality"] = [[(r.get("distinct_sum", 0), r.get("expected_sum", 0)) for r in res["records"]]
                                       for res in results]
     return results[0]

@@ -223,16 +223,17 @@ def _cells(counts: list[list[int]], exp: list[int]) -> str:
 def table(runs: dict[str, list[list[dict[str, Any]]]], failure: Callable[[dict[str, Any]], str | None],
           order: Callable[[str], int]) -> str:
     """The mix table: per system and epoch, samples per stream (delivered/expected; distinct; most
-    copies of a sample), remote and needed MB, wall, bound, wait, first batch, quality (medians)."""
+    copies of a sample), remote and needed MB, wall, bound, wait, CPU-seconds per GB delivered (every
+    process of the run: ``tools/bench_cpu.py``), first batch, quality (medians)."""
     rows = ["| system | n | epoch | samples per stream (delivered/expected) | distinct | most copies | remote MB "
-            "| needed MB | wall s | wall / bound | wait % | first batch s | quality |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| needed MB | wall s | wall / bound | wait % | CPU s/GB | first batch s | quality |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in sorted(runs, key=order):
         reps = runs[s]
         ok = [recs for recs in reps if failure(recs[0]) is None and not any("aborted" in r for r in recs)]
         if not ok:
             why = failure(reps[0][0]) or next(f"aborted: {r['aborted']}" for r in reps[0] if "aborted" in r)
-            rows.append(f"| {s} | 0 of {len(reps)} | {why[:160]} | | | | | | | | | | |")
+            rows.append(f"| {s} | 0 of {len(reps)} | {why[:160]} | | | | | | | | | | | |")
             continue
         n = str(len(ok)) if len(ok) == len(reps) else f"{len(ok)} of {len(reps)}"
         mix = ok[0][0]["mix"]
@@ -248,9 +249,11 @@ def table(runs: dict[str, list[list[dict[str, Any]]]], failure: Callable[[dict[s
             uniq = " · ".join(f"{statistics.median(c):,.0f}" for c in zip(*(r.get("stream_unique", []) for r in ep)))
             most = " · ".join(f"{max(c)}" for c in zip(*(r.get("stream_max_copies", []) for r in ep)))
             needed = mix["needed"] / 1e6 if phase == "cold" else 0.0
+            cpu = "-" if any("cpu_s" not in r for r in ep) else \
+                f"{statistics.median(r['cpu_s'] / max(r['samples'] * r['sample_bytes'], 1) * 1e9 for r in ep):.2f}"
             rows.append(f"| {s} | {n} | {phase} | {counts} | {uniq} | {most} | {med['remote_bytes'] / 1e6:.1f} "
                         f"| {needed:.1f} | {med['wall']:.2f} | {med['wall'] / bound:.2f} | "
-                        f"{100 * med['wait'] / med['wall']:.1f} | {first:.2f} | {quality:.2f} |")
+                        f"{100 * med['wait'] / med['wall']:.1f} | {cpu} | {first:.2f} | {quality:.2f} |")
     return "\n".join(rows)
 
 

@@ -8,8 +8,8 @@ import os
 from collections import defaultdict
 from typing import Any
 
-ORDER = ("datacache", "datacache+dropin", "datacache+match-streaming", "datacache+match-litdata", "streaming",
-         "streaming+tuned", "streaming+match-datacache", "litdata", "litdata+tuned", "fsspec")
+ORDER = ("datacache", "datacache+never", "datacache+dropin", "datacache+match-streaming", "datacache+match-litdata",
+         "streaming", "streaming+tuned", "streaming+match-datacache", "litdata", "litdata+tuned", "fsspec")
 
 
 def order_key(system: str) -> int:

@@ -71,7 +71,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools import bench_mix, bench_nodes  # noqa: E402
+from tools import bench_cpu, bench_images, bench_mix, bench_nodes  # noqa: E402
 from tools.bench_quality import BatchQuality  # noqa: E402
 from tools.bench_write import _s3fs, write  # noqa: E402
 
@@ -160,10 +160,11 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
                                     **({"ram_bytes": C, "ssd_bytes": 0} if C else {}))
         window = {"match-litdata": {"window": 1, "node_shuffle": "never"},  # one shard run at a time, as LitData reads
                   "window": {"node_shuffle": "window"},  # the cold epoch through the window, not a part mix
+                  "never": {"node_shuffle": "never"},  # the sliding window only, warm epochs too
                   "match-streaming": {"window": spec.get("shards", 1)}}.get(variant, {})  # every shard
         batched = {"batch_size": bs} if variant == "torch" else {}
         ds = datacache.StreamingDataset(spec["url"], storage_options=spec["storage_options"], cache=cfg,
-                                        shuffle=True, seed=0, **window, **batched)
+                                        shuffle=True, seed=0, **window, **batched, **_transform(spec))
         if variant == "dropin":  # the line users write first: torch's DataLoader over samples
             loader = tud.DataLoader(ds, batch_size=bs, **lkw)
         elif batched:  # batched mode through torch's own DataLoader (no StatefulDataLoader)
@@ -189,8 +190,11 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
         if C:
             kw["cache_limit"] = C
         kw.update(bench_nodes.loader_kwargs(system, sc))
-        ds = streaming.StreamingDataset(remote=spec["url"], local=os.path.join(cache_dir, "local"), shuffle=True,
-                                        shuffle_seed=0, batch_size=bs, **kw)
+        kind = streaming.StreamingDataset
+        if _transform(spec):  # Streaming's documented hook: a subclass's __getitem__
+            kind = bench_images.streaming_dataset(kind, _transform(spec)["transform"])
+        ds = kind(remote=spec["url"], local=os.path.join(cache_dir, "local"), shuffle=True, shuffle_seed=0,
+                  batch_size=bs, **kw)
         _streaming_ready(ds)
         loader = tud.DataLoader(ds, batch_size=bs, **lkw)
         return loader, lambda e: None, lambda: {}, lambda: None
@@ -201,7 +205,7 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
         if C:
             kw["max_cache_size"] = C
         ds = litdata.StreamingDataset(spec["url"], cache_dir=os.path.join(cache_dir, "lit"), shuffle=True, seed=0,
-                                      storage_options=spec["litdata_options"], **kw)
+                                      storage_options=spec["litdata_options"], **kw, **_transform(spec))
         loader = litdata.StreamingDataLoader(ds, batch_size=bs, **lkw)
         return loader, lambda e: None, lambda: {}, lambda: None
     if system == "fsspec":
@@ -209,6 +213,22 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
         loader = tud.DataLoader(ds, batch_size=bs, **lkw)
         return loader, ds.set_epoch, lambda: {}, lambda: None
     raise ValueError(system)
+
+
+def decode_dir(spec: dict[str, Any]) -> str:
+    """Where the images scenario's decode clocks live (in the run's cache directory)."""
+    return os.path.join(spec["cache_dir"], "decode-clock")
+
+
+def _transform(spec: dict[str, Any]) -> dict[str, Any]:
+    """{"transform": the per-sample transform} of the spec's dataset ({} but for images); one
+    object per spec, so a system's hooks all get the same one."""
+    if spec["scenario"].get("dataset") != "images":
+        return {}
+    if "_transform" not in spec:
+        os.makedirs(decode_dir(spec), exist_ok=True)
+        spec["_transform"] = bench_images.Decode(decode_dir(spec))
+    return {"transform": spec["_transform"]}
 
 
 def _iterable_base() -> type:
@@ -305,6 +325,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     pulled more than ``max_bytes`` (thrashing)."""
     barrier()
     m0 = meter(meter_url)
+    cpu0 = bench_cpu.snapshot()
     t0 = time.perf_counter()
     first, aborted = None, None
     batches = 0
@@ -356,6 +377,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
     own = time.perf_counter() - t0
     barrier()
     wall = time.perf_counter() - t0  # the node's wall: until the last rank is done
+    cpu = bench_cpu.delta(cpu0, bench_cpu.snapshot())  # every process of the run (tools/bench_cpu.py)
     m1 = meter(meter_url)
     step = measured_step(compute)  # outside the epoch's timing
     unique = _count_ids(got, quality, per_stream)
@@ -371,7 +393,7 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
             "batch_waits": waits,
             "startup": startup, "first_ids": head, **(quality.summary() if quality is not None else {}),
             **(per_stream.summary() if per_stream is not None else {}),
-            **({"aborted": aborted} if aborted else {})}
+            **cpu, **({"aborted": aborted} if aborted else {})}
 
 
 def _profiler(spec: dict[str, Any]) -> Any:
@@ -407,11 +429,14 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
             measured = phase != "fill"  # measured, or the shuffle scenario's cold and warm
             if prof is not None and measured:
                 prof.start()
+            decoded = _decode_total(spec)
             rec = run_epoch(loader, sc["compute"] if measured else 0.0, spec["meter_url"], barrier,
                             spec.get("max_epoch_bytes") or float("inf"), spec.get("n", 0), spec.get("stream_bounds"))
             if prof is not None and measured:
                 prof.stop()
             rec.update(epoch=e, phase=phase, stats=_jsonable(stats()))
+            if decoded is not None:  # the images scenario: the decode's CPU in the epoch
+                rec["decode_cpu_s"] = round(_decode_total(spec) - decoded, 3)
             records.append(rec)
             if "aborted" in rec:
                 break
@@ -424,6 +449,13 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
         with open(base + ".html", "w") as f:
             f.write(prof.output_html())
     return records
+
+
+def _decode_total(spec: dict[str, Any]) -> float | None:
+    """The images scenario's decode CPU-seconds so far, every process's (None elsewhere)."""
+    if spec["scenario"].get("dataset") != "images":
+        return None
+    return bench_images.DecodeClock.total(decode_dir(spec)) if os.path.isdir(decode_dir(spec)) else 0.0
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:

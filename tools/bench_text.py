@@ -46,7 +46,22 @@ NOTES = {
     "mix": "each system through its own mixing API (tools/bench_mix.py), default settings only; LitData's "
            "`CombinedStreamingDataset(weights=)` has no epoch size, repeat or subsample (it ends the epoch when a "
            "stream runs out), so its counts are what that gives; fsspec has no mixing (not run).",
+    "small-1024": "small's dataset and terms at batch 1024 for every system.",
+    "raw-bytes": "raw's terms over the same 64 KiB samples with the pixels stored as a Python `bytes` field (each "
+                 "system's own writer); batches hold them as `default_collate` gives them (a list of `bytes`).",
+    "warm-bytes": "warm's terms over the `bytes` dataset of raw-bytes.",
+    "limited-bytes": "limited's terms and exceptions over the `bytes` dataset of raw-bytes.",
+    "images": "JPEGs made at bench time with Pillow (ImageNet-like sizes and content, about 100 KB each), written by "
+              "each system's own writer as a `bytes` field; batch 64 for every system, no compute; each sample "
+              "decoded and randomly cropped to 224 x 224 (RandomResizedCrop) in the workers by the same transform "
+              "through each system's hook (datacache and LitData `transform=`, Streaming a subclass's "
+              "`__getitem__`; tools/bench_images.py). The loader's CPU is the run's less the decode's, which the "
+              "transform times on the thread's CPU clock; bound: the decode's CPU over the workers.",
 }
+
+CPU = ("CPU s/GB: the CPU-seconds of every process of the run in the measured epochs (the training process, every "
+       "DataLoader worker, any helper process a system starts; the kernel's own accounting, /proc/<pid>/stat, "
+       "tools/bench_cpu.py) per GB delivered to the training loop (samples x sample bytes; images: JPEG bytes).")
 
 VARIANTS = (
     "Variants: `+tuned`: Streaming `predownload` = 4 shards per worker (limited: `shuffle_block_size` = samples of "
@@ -62,7 +77,9 @@ VARIANTS = (
     "torch's own loader, `torch.utils.data.DataLoader(StreamingDataset(url, batch_size=B), batch_size=None)`, "
     "without torchdata's `StatefulDataLoader` (which `datacache.DataLoader` once was). "
     "`datacache+window` (cold, warm, shuffle): `node_shuffle='window'`, the cold epoch through the sliding window "
-    "instead of the default's part mix (datacache/plan/part_shuffle.py).")
+    "instead of the default's part mix (datacache/plan/part_shuffle.py). `datacache+never` (raw, raw-bytes, small, "
+    "small-1024): `node_shuffle='never'`, the warm epoch in the sliding window's order instead of the default's "
+    "uniform permutation of the node's share.")
 
 QUALITY = (
     "Quality: mean distinct classes per batch over the same for a uniform random permutation (computed exactly for "
@@ -102,7 +119,7 @@ def head_lines(run: dict[str, Any], scenarios: list[str]) -> list[str]:
              "- remote MB is measured at the link proxy; for limited it is per epoch; bound = max(link, compute, "
              "memcpy) (tools/bench_report.py), compute = batches x the simulated step as timed in the same run "
              "with no batch moving; first batch s: from iter(loader) to the first batch",
-             "- " + EQUAL_TERMS.format(**s), "- " + VARIANTS, "- " + QUALITY,
+             "- " + EQUAL_TERMS.format(**s), "- " + VARIANTS, "- " + QUALITY, "- " + CPU,
              "- work-arounds (stub torchvision/transformers imports for Streaming, obstore `allow_http` for LitData, "
              "Streaming's boto3 client dropped before the workers fork) are documented in tools/bench_systems.py",
              "- a run that pulls more than 8 x D in one epoch (thrashing), or moves no batch and no byte for 90 s "
@@ -137,7 +154,7 @@ def readme_block(run: dict[str, Any], scenarios: list[str], table: str, shuffle:
              f"full report with the per-scenario exceptions: [{report}]({report}).", "",
              EQUAL_TERMS.format(**run["settings"]), "", "Exceptions, per scenario:", ""]
     parts += [f"- {sc}: {NOTES.get(sc, 'none.')}" for sc in scenarios]
-    parts += ["", VARIANTS, "", QUALITY, ""] + ([table, ""] if table else [])
+    parts += ["", VARIANTS, "", QUALITY, "", CPU, ""] + ([table, ""] if table else [])
     if shuffle:
         parts += ["**Shuffle quality, cold and warm** (the `shuffle` scenario; class-sorted data):", "", shuffle, ""]
     if mix:
