@@ -21,7 +21,13 @@ the system's documented shuffle knobs toward X's shuffle quality):
   ``window`` = every shard of the dataset; match-litdata: ``window=1`` (one shard run at a time)
   and ``node_shuffle="never"`` (warm epochs too);
   dropin (warm only): the drop-in line, ``torch.utils.data.DataLoader(StreamingDataset(url),
-  batch_size=B)`` over samples (torch's per-sample path), beside the default.
+  batch_size=B)`` over samples (torch's per-sample path), beside the default; never (raw, raw-bytes,
+  small, small-1024): ``node_shuffle="never"``, the warm epoch in the sliding window's order.
+- the images scenario: every system's samples pass through the same ``bench_images.Decode`` (JPEG
+  decode and random crop, timed on the thread's CPU clock), through its documented hook: datacache
+  and LitData ``StreamingDataset(transform=)``, Streaming a subclass's ``__getitem__``.
+- CPU: ``run_epoch`` records the CPU-seconds of the run's processes between its barriers
+  (``tools/bench_cpu.py``), the images scenario the decode's (``decode_cpu_s``).
 - ``streaming`` (mosaicml-streaming): MDS shards (``MDSWriter``, no compression), S3 through boto3
   (``S3_ENDPOINT_URL``); tuned: ``predownload`` = 4 shards of samples per worker (default 8 x batch),
   or, with a cache limit C, ``shuffle_block_size`` = the samples of C/2 (the default py1e blocks of
