@@ -493,6 +493,8 @@ def progress_line(recs: list[dict[str, Any]]) -> str:
              f"{'exactly once' if s['exactly_once'] else 'NOT exactly once'}") if "storm" in s else ""
     q = f", quality {s['quality']:.2f}" if "quality" in s else ""
     q += f", per stream (delivered/expected): {s['counts']}" if "counts" in s else ""
+    q += f", CPU {s['cpu_gb']:.2f} s/GB" if "cpu_gb" in s else ""
+    q += f" (loader {s['loader_pct']:.0f}% of it, decode excluded)" if "loader_pct" in s else ""
     return (f"{head} wall {s['wall']:.2f} s (bound {s['bound']:.2f}), wait {s['wait_pct']:.1f}% (first batch "
             f"{s['first_batch']:.2f} s), remote {remote} MB, {s['samples_s']:,.0f} samples/s{q}{storm}")
 
