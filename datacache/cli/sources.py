@@ -248,7 +248,7 @@ def _dataset_samples(url: str, storage_options: dict[str, Any]) -> Iterator[dict
                     if h != info.hash:
                         raise IntegrityError(f"content hash {h} != manifest {info.hash}", url=store.url_of(info.name),
                                              hint="Run `datacache verify` on the source")
-                    with fmt.open(path) as r:
+                    with fmt.open(path, **m.reader_options()) as r:
                         for i, sample in enumerate(r):
                             yield normalize(sample, f"{info.name} sample {i}", store.url_of(info.name))
                 finally:
