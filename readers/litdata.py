@@ -10,13 +10,14 @@ Items come back in LitData's structure (dicts, lists, tuples, OrderedDicts) with
 ``int`` -> int, ``float`` -> float, ``bool`` -> bool, ``str`` -> str, ``bytes`` -> bytes,
 ``numpy`` and ``no_header_numpy:<dtype>`` -> an ndarray of that dtype and shape (writable),
 ``tensor`` and ``no_header_tensor:<dtype>`` -> a ``torch.Tensor`` (torch is imported only then);
+``json`` (a nested list or dict leaf, in LitData's compact encoding or as JSON text) -> its value;
 ``jpeg``, ``pil`` -> the encoded bytes, or with ``decode_images=True`` a ``PIL.Image`` (LitData
 decodes ``jpeg`` to a tensor through torchvision; datacache does not use torchvision);
 ``pickle`` -> refused (:class:`ReaderError`) unless ``allow_pickle=True``: unpickling runs code.
-Other serializers (video, audio, json, ...), LitData's other item loaders (tokens, Parquet) and
-encryption are refused. Compressed chunks (``zstd``, by ``compression_level``: ``"chunk"`` the
-whole file, ``"batch"`` LitData's framed layout, its default, ``"sample"`` each item) are inflated
-into a plain sample table when the reader opens, and held in memory while it is open.
+Other serializers (video, audio, image, ...), LitData's other item loaders (tokens, Parquet) and
+encryption are refused, and so is ``compression_level="sample"``. Compressed chunks (``zstd``,
+``"chunk"``: the whole file, ``"batch"``: LitData's framed layout, its default) are inflated into a
+plain sample table when the reader opens, and held in memory while it is open.
 
 Not thread-safe: one reader per thread.
 """
@@ -47,7 +48,7 @@ _TORCH = ("float32", "float", "float64", "double", "complex64", "cfloat", "compl
           "bfloat16", "uint8", "int8", "int16", "short", "int32", "int", "int64", "long", "bool", "uint16")
 _TENSOR_HEAD = struct.Struct(">II")
 SERIALIZERS = ("int", "float", "bool", "str", "bytes", "numpy", "no_header_numpy", "tensor", "no_header_tensor",
-               "jpeg", "pil", "pickle")
+               "json", "jpeg", "pil", "pickle")
 _KINDS = {"int": "int", "float": "float", "str": "str", "bytes": "bytes", "numpy": "ndarray",
           "no_header_numpy": "ndarray", "tensor": "tensor", "no_header_tensor": "tensor", "bool": "bool"}
 
@@ -95,6 +96,76 @@ def _image(name: str, decode: bool) -> Callable[[memoryview], Any]:
     return opened
 
 
+_U32, _I64, _F64 = struct.Struct("<I"), struct.Struct("<q"), struct.Struct("<d")
+_SCALAR_TAGS = {7: "str", 8: _I64, 9: _F64, 10: "bool", 11: None}  # LitData's _NEST_STR ... _NEST_NONE
+_ARRAY_TAGS = {2: "<i8", 3: "<f8"}  # _NEST_I64S, _NEST_F64S
+
+
+def _utf8(raw: memoryview, pos: int) -> tuple[str, int]:
+    n = _U32.unpack_from(raw, pos)[0]
+    return str(raw[pos + 4:pos + 4 + n], "utf-8"), pos + 4 + n
+
+
+def _scalar(tag: int, raw: memoryview, pos: int) -> tuple[Any, int]:
+    """A scalar of LitData's nested encoding (a record's cell tags are these tags + 9)."""
+    kind = _SCALAR_TAGS[tag]
+    if kind == "str":
+        return _utf8(raw, pos)
+    if kind == "bool":
+        return raw[pos] != 0, pos + 1
+    if kind is None:
+        return None, pos
+    return kind.unpack_from(raw, pos)[0], pos + 8
+
+
+def _nested_at(raw: memoryview, pos: int) -> tuple[Any, int]:
+    """One value of LitData's compact nested encoding (its ``json`` serializer) at ``pos``."""
+    tag, pos = raw[pos], pos + 1
+    if tag in _SCALAR_TAGS:
+        return _scalar(tag, raw, pos)
+    n, pos = _U32.unpack_from(raw, pos)[0], pos + 4
+    if tag == 0:  # JSON text
+        return json.loads(str(raw[pos:pos + n], "utf-8")), pos + n
+    if tag in _ARRAY_TAGS:
+        return np.frombuffer(raw, _ARRAY_TAGS[tag], n, pos).tolist(), pos + 8 * n
+    if tag == 4:  # bools
+        return [b != 0 for b in raw[pos:pos + n]], pos + n
+    if tag == 1:  # strings
+        out = []
+        for _ in range(n):
+            text, pos = _utf8(raw, pos)
+            out.append(text)
+        return out, pos
+    if tag == 5:  # a dict with str keys
+        mapping: dict[str, Any] = {}
+        for _ in range(n):
+            key, pos = _utf8(raw, pos)
+            mapping[key], pos = _nested_at(raw, pos)
+        return mapping, pos
+    if tag == 6:  # records: dicts of the same str keys and scalar values
+        width, pos = _U32.unpack_from(raw, pos)[0], pos + 4
+        keys = []
+        for _ in range(width):
+            key, pos = _utf8(raw, pos)
+            keys.append(key)
+        rows = []
+        for _ in range(n):
+            row: dict[str, Any] = {}
+            for key in keys:
+                cell, pos = raw[pos], pos + 1
+                row[key], pos = _scalar({0x10: 11, 0x11: 7, 0x12: 8, 0x13: 9, 0x14: 10}[cell], raw, pos)
+            rows.append(row)
+        return rows, pos
+    raise ValueError(f"unknown tag {tag} in a LitData json leaf")
+
+
+def _nested(raw: memoryview) -> Any:
+    """A LitData ``json`` leaf: its compact nested encoding, or (older files) JSON text."""
+    if not len(raw) or raw[0] > 0x20:
+        return json.loads(str(raw, "utf-8"))
+    return _nested_at(raw, 0)[0]
+
+
 def _leaf(fmt: str, index: int, decode_images: bool, allow_pickle: bool) -> Callable[[memoryview], Any]:
     name, _, arg = fmt.partition(":")
     if name == "no_header_numpy":
@@ -115,7 +186,7 @@ def _leaf(fmt: str, index: int, decode_images: bool, allow_pickle: bool) -> Call
     simple: dict[str, Callable[[memoryview], Any]] = {
         "int": lambda raw: struct.unpack("<q", raw)[0], "float": lambda raw: struct.unpack("<d", raw)[0],
         "bool": lambda raw: raw[0] != 0, "str": lambda raw: str(raw, "utf-8"), "bytes": bytes,
-        "numpy": _numpy, "tensor": _tensor,
+        "numpy": _numpy, "tensor": _tensor, "json": _nested,
     }
     if name not in simple:
         raise ValueError(f"LitData serializer {fmt!r} is not one datacache reads ({', '.join(SERIALIZERS)})")
@@ -155,6 +226,7 @@ def unflatten(leaves: Sequence[Any], spec: Any) -> Any:
 _FRAMED = struct.Struct("<8sHHIII")  # magic, version, flags, items, rows per frame, frames
 _FRAME = struct.Struct("<IIQII")  # first item, items, compressed offset, compressed size, size
 _FRAMED_MAGIC = b"LDFZ01\0\0"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 def _table(sizes: list[int], payload: bytes) -> bytes:
@@ -184,14 +256,6 @@ def _unframe(data: bytes, path: str) -> bytes:
     return _table(np.diff(offsets).tolist(), payload)
 
 
-def _unsample(data: bytes, path: str) -> bytes:
-    """LitData's per-item zstd chunk (``compression_level="sample"``) as a plain sample table."""
-    n = struct.unpack_from("<I", data, 0)[0]
-    offsets = np.frombuffer(data, "<u4", n + 1, 4).tolist()
-    items = [decompress("zstd", data[a:b], path) for a, b in zip(offsets, offsets[1:])]
-    return _table([len(x) for x in items], b"".join(items))
-
-
 class LitDataChunkReader(SampleTable):
     """Read a LitData chunk (see the module docstring). ``data_format``, ``data_spec``: from the
     ``config`` of ``index.json``; ``compression``: its ``compression`` (``None``: plain)."""
@@ -202,9 +266,9 @@ class LitDataChunkReader(SampleTable):
                  data_spec: str | None = None, compression: str | None = None, compression_level: str | None = None,
                  decode_images: bool = False, allow_pickle: bool = False) -> None:
         super().__init__(path, compression=compression)
-        if compression_level not in (None, "chunk", "batch", "sample"):
-            raise ReaderError(f"unknown LitData compression_level {compression_level!r}", path=self.path,
-                              hint="datacache reads 'chunk', 'batch' and 'sample'")
+        if compression_level not in (None, "chunk", "batch"):
+            raise ReaderError(f"LitData compression_level {compression_level!r} is not one datacache reads",
+                              path=self.path, hint="datacache reads 'chunk' and 'batch' (LitData's default)")
         self._level = compression_level
         if not data_format:
             raise ReaderError("a LitData chunk needs the data_format and data_spec of its index.json",
@@ -226,10 +290,14 @@ class LitDataChunkReader(SampleTable):
         return dict(self.schema or {})
 
     def _inflate(self, data: bytes) -> bytes:
-        if self._level in (None, "chunk"):  # the whole file compressed (a .zstd.bin chunk)
-            return super()._inflate(data)
+        """LitData compresses a chunk as ``compression_level`` says, except where it did not (a chunk
+        of dict items may carry an Arrow footer instead): so each chunk's own bytes tell."""
         try:
-            return (_unframe if self._level == "batch" else _unsample)(data, self.path)
+            if data[:8] == _FRAMED_MAGIC:  # "batch"
+                return _unframe(data, self.path)
+            if data[:4] == _ZSTD_MAGIC:  # "chunk": the whole file (a .zstd.bin chunk)
+                return super()._inflate(data)
+            return data
         except (ValueError, struct.error) as exc:
             raise ReaderError(f"not a LitData chunk compressed by {self._level!r} ({exc})", path=self.path,
                               hint=HINT_CORRUPT) from None

@@ -46,7 +46,7 @@ def _local_count(fmt: ShardFormat, path: str, url: str, options: dict[str, Any])
             return len(r), r.field_kinds()
     except ShardReaderError as exc:
         raise DcReaderError(f"cannot read as {fmt.name}: {str(exc).replace(path, 'file')}", url=url,
-                            hint=_HINT) from None
+                            hint=None if options else _HINT) from None
 
 
 def _merge_schemas(fmt: ShardFormat, schemas: list[tuple[str, dict[str, str]]],

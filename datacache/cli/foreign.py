@@ -86,7 +86,7 @@ def _litdata(store: Store, doc: dict[str, Any]) -> Layout:
     url = store.url_of("index.json")
     config, chunks = doc["config"], doc["chunks"]
     refused = {"encryption": config.get("encryption"), "ipc_compression": config.get("ipc_compression"),
-               "compression_level": config.get("compression_level") not in (None, "chunk", "batch", "sample") or None}
+               "compression_level": config.get("compression_level") not in (None, "chunk", "batch") or None}
     loader = config.get("item_loader", "PyTreeLoader")
     if loader != "PyTreeLoader" or any(refused.values()):
         what = f"item_loader {loader!r}" if loader != "PyTreeLoader" else \
