@@ -61,7 +61,10 @@ the default ``datacache.DataLoader(ds, batch_size=B)``; ``datacache+torch`` (war
 ``torch.utils.data.DataLoader(StreamingDataset(url, batch_size=B), batch_size=None)``, batched mode
 without torchdata's StatefulDataLoader (the default's base class before 11bac14);
 ``datacache+window`` (cold, warm, shuffle): ``node_shuffle="window"``, the cold epoch through
-the sliding window rather than the default's part mix. The mix scenario runs the default variants only.
+the sliding window rather than the default's part mix; ``datacache+mds`` (cold, warm): datacache
+over the Streaming system's MDS dataset of the same samples, indexed in place once by
+``datacache index`` (``--systems datacache --variants mds`` runs it beside the default alone).
+The mix scenario runs the default variants only.
 
 A failed or aborted repetition stays in ``results.jsonl`` with its cause; the tables print n
 (repetitions completed of run) per cell and show a system none of whose repetitions completed as
@@ -84,6 +87,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -109,13 +113,15 @@ SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 # "dropin": datacache through a plain torch DataLoader over samples, run in DROPIN only; "torch":
 # datacache's batched mode through a plain torch DataLoader (batch_size=None), run in TORCH only;
 # "window": datacache with node_shuffle="window" (its cold epoch through the sliding window, not
-# the default's part mix), run in MATCHED only
-VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "window"),
+# the default's part mix), run in MATCHED only; "mds": datacache over Streaming's MDS dataset of the same
+# samples, indexed in place by `datacache index` (issue 41), run in MDS only
+VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "window", "mds"),
             "streaming": ("default", "tuned", "match-datacache"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
 MATCHED = ("cold", "warm", "shuffle")
 DROPIN = ("warm",)
 TORCH = ("warm", "small", "raw")
+MDS = ("cold", "warm")
 SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes", "shuffle", "mix")
 
 
@@ -125,11 +131,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="160 MB (small: 20 MB), 1 rep: about 5 minutes")
     p.add_argument("--scenario", default=",".join(SCENARIOS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--variants", default="default,tuned,matched,dropin,torch,window",
+    p.add_argument("--variants", default="default,tuned,matched,dropin,torch,window,mds",
                    help="settings to run: default, tuned, matched (the match-* variants, in cold, warm, shuffle), "
                         "dropin (datacache over samples through torch's DataLoader, in warm), torch (datacache's "
                         "batched mode through torch's DataLoader, in warm, small, raw), window (datacache's cold epoch "
-                        "through the sliding window, in cold, warm, shuffle)")
+                        "through the sliding window, in cold, warm, shuffle), mds (datacache over Streaming's MDS "
+                        "dataset, indexed in place, in cold, warm)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
     p.add_argument("--size", help="dataset size (default 500MB; 160MB with --quick)")
     p.add_argument("--small-size", help="1 KiB-sample dataset size (default 100MB; 20MB with --quick)")
@@ -207,6 +214,8 @@ def runs_in(variant: str, scenario_name: str) -> bool:
         return scenario_name in DROPIN
     if variant == "torch":
         return scenario_name in TORCH
+    if variant == "mds":
+        return scenario_name in MDS
     return scenario_name != "mix" or variant == "default"
 
 
@@ -249,7 +258,9 @@ def storm_figures(link: Any, storm: float, timeline: list, bandwidth: float) -> 
 def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: str, sc: dict[str, Any], rep: int,
             profile: str | None = None) -> list[dict[str, Any]]:
     label = system if variant == "default" else f"{system}+{variant}"
-    info = ctx["datasets"][f"{system}/{sc['dataset']}"]
+    info = ctx["datasets"][f"{'streaming' if variant == 'mds' else system}/{sc['dataset']}"]
+    if variant == "mds" and "bytes" in info:
+        index_in_place(ctx["server"], info["url"])
     base = {"system": label, "family": system, "variant": variant, "scenario": sc["name"], "rep": rep}
     if "bytes" not in info:
         why = {"unavailable": info["unavailable"]} if "unavailable" in info else \
@@ -334,6 +345,21 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     return out
 
 
+def index_in_place(server: Any, url: str) -> None:
+    """``datacache index URL`` over a dataset another library wrote (once: kept beside its shards),
+    against the server itself: setup traffic never crosses the link."""
+    from contextlib import closing
+
+    import datacache
+
+    with closing(datacache.open_store(url, server.storage_options())) as store:
+        if store.exists("manifest.json"):
+            return
+    env = {**os.environ, "AWS_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.access_key,
+           "AWS_SECRET_ACCESS_KEY": server.secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
+    subprocess.run([sys.executable, "-m", "datacache.cli", "index", url, "--quiet"], env=env, check=True)
+
+
 def _predicted_nodes(info: dict[str, Any], sc: dict[str, Any], opts: dict[str, Any]) -> list[int] | None:
     """The nodes scenario's remote bytes per epoch as ``tools/scale_model`` predicts them from the
     plan of datacache's dataset (its manifest), for datacache's layout."""
@@ -376,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         link = stack.enter_context(SlowLink("127.0.0.1", server.port, bandwidth=a.bandwidth, latency=a.latency))
         meter = Meter(link)
         stack.callback(meter.close)
-        systems = sorted({s for s, _ in variants} | {"datacache"}, key=SYSTEMS.index)
+        mds = {"streaming"} if ("datacache", "mds") in variants else set()  # its dataset: Streaming's
+        systems = sorted({s for s, _ in variants} | {"datacache"} | mds, key=SYSTEMS.index)
         datasets = ensure_datasets(a, server, systems, sorted({sc["dataset"] for sc in scs}))
         rate = memcpy_rate(datasets.get("datacache/main", {}).get("bytes", a.size))
         ctx = {"server": server, "link": link, "meter": meter, "datasets": datasets, "counter": 0, "memcpy_rate": rate}
