@@ -118,6 +118,11 @@ class SampleTable(ShardReader):
             os.close(self._fd)
         self._fd, self._data = None, None
 
+    @property
+    def held_bytes(self) -> int:
+        """Memory this reader holds of its own: a compressed file's inflated copy, while open."""
+        return len(self._data) if self._data is not None else 0
+
     def _pread(self, size: int, offset: int) -> bytearray:
         """``size`` bytes at ``offset`` of the (decompressed) file, in a new ``bytearray``."""
         if self._data is not None:

@@ -249,3 +249,30 @@ def test_mds_resumes_exactly(tmp_path: Path, cache: NodeCache, capsys: pytest.Ca
     rest = [s["id"] for s in ds]
     ds.close()
     assert sorted(first + rest) == list(range(60))
+
+
+def test_idle_readers_of_compressed_shards_hold_bounded_memory(tmp_path: Path) -> None:
+    """The open-reader pool keeps readers across runs; a compressed shard's reader holds its inflated
+    copy, so the pool keeps only ``max_held`` bytes of those (the newest reader always)."""
+    from datacache.read.open_readers import OpenShards
+    from datacache.readers import get_format
+
+    folder = tmp_path / "mds"
+    write_mds(str(folder), compression="zstd", columns={"id": "int", "b": "bytes"}, n=40, size_limit=300)
+    shards = json.loads((folder / "index.json").read_text())["shards"]
+    first = shards[0]
+    columns = [list(c) for c in zip(first["column_names"], first["column_encodings"], first["column_sizes"])]
+    fmt, options = get_format("mds"), {"columns": columns, "compression": "zstd"}
+    budget = 2 * max(s["raw_data"]["bytes"] for s in shards)
+    pool, readers = OpenShards(sweep_every=0, max_held=budget), []
+    for s in shards:
+        path = str(folder / s["zip_data"]["basename"])
+        r = pool.checkout(fmt, path, options)
+        assert r.get(0)["id"] == sum(x["samples"] for x in shards[:len(readers)])
+        pool.checkin(fmt, path, r, options)
+        readers.append(r)
+    kept = [r for r in readers if not r.closed]
+    assert readers[-1] in kept and 1 <= len(kept) < len(readers) and sum(r.held_bytes for r in kept) <= budget
+    again = pool.checkout(fmt, readers[0].path, options)  # closed by the budget: opened afresh
+    assert again is not readers[0] and again.get(0)["id"] == 0
+    pool.close()

@@ -25,10 +25,12 @@ __all__ = ["OpenShards", "open_shards"]
 
 
 class OpenShards:
-    """Up to ``max_open`` idle readers of local shard files (see the module docstring)."""
+    """Up to ``max_open`` idle readers of local shard files (see the module docstring), holding at
+    most ``max_held`` bytes of memory of their own (``held_bytes``: a compressed MDS or LitData
+    shard's inflated copy; mappings are not counted) beside the newest one."""
 
-    def __init__(self, max_open: int = 64, sweep_every: float = 1.0) -> None:
-        self.max_open, self.sweep_every = max_open, sweep_every
+    def __init__(self, max_open: int = 64, sweep_every: float = 1.0, max_held: int = 256 << 20) -> None:
+        self.max_open, self.sweep_every, self.max_held = max_open, sweep_every, max_held
         self._swept = 0.0
         self._idle: collections.OrderedDict[tuple[str, str, str], tuple[Any, tuple[int, int, int]]] = \
             collections.OrderedDict()
@@ -58,6 +60,11 @@ class OpenShards:
             old = self._idle.pop(key, None)
             self._idle[key] = (reader, reader._datacache_identity)
             over = [self._idle.popitem(last=False)[1][0] for _ in range(len(self._idle) - self.max_open)]
+            held = sum(_held(r) for r, _ in self._idle.values())
+            while held > self.max_held and len(self._idle) > 1:  # the oldest first, never the newest
+                out = self._idle.popitem(last=False)[1][0]
+                held -= _held(out)
+                over.append(out)
             idle = self._due()
         for r in ([old[0]] if old else []) + over + self._drop_stale(idle):
             r.close()
@@ -87,6 +94,10 @@ class OpenShards:
             idle, self._idle = list(self._idle.values()), collections.OrderedDict()
         for reader, _ in idle:
             reader.close()
+
+
+def _held(reader: Any) -> int:
+    return getattr(reader, "held_bytes", 0)
 
 
 def _options_key(options: dict[str, Any]) -> str:
