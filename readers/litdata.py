@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ._sampletable import PICKLE_REFUSED, SampleTable, decompress, no_writer
+from ._sampletable import PICKLE_REFUSED, SampleTable, decompress, no_writer, table_layout
 from .base import ShardFormat
 from .codec import Schema
 from .errors import HINT_CORRUPT, ReaderError, RefusedContentError
@@ -315,4 +315,4 @@ class LitDataChunkReader(SampleTable):
 
 
 FORMAT = ShardFormat(name="litdata", extension=".bin", reader=LitDataChunkReader,
-                     ShardWriter=no_writer("LitData"), writes=False)
+                     ShardWriter=no_writer("LitData"), writes=False, layout=table_layout)

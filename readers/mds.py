@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ._sampletable import PICKLE_REFUSED, SampleTable, no_writer
+from ._sampletable import PICKLE_REFUSED, SampleTable, no_writer, table_layout
 from .base import ShardFormat
 from .codec import Sample, Schema
 from .errors import ReaderError, RefusedContentError
@@ -193,4 +193,4 @@ class MDSShardReader(SampleTable):
 
 
 FORMAT = ShardFormat(name="mds", extension=".mds", reader=MDSShardReader,
-                     ShardWriter=no_writer("MosaicML Streaming (MDS)"), writes=False)
+                     ShardWriter=no_writer("MosaicML Streaming (MDS)"), writes=False, layout=table_layout)

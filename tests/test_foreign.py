@@ -38,7 +38,7 @@ def _index(url: str, capsys: pytest.CaptureFixture[str], rc: int = 0) -> Any:
 
 
 def _read(url: str, cache: NodeCache, opts: dict[str, Any] | None = None, **kw: Any) -> tuple[list[Any], dict]:
-    ds = StreamingDataset(url, storage_options=opts, cache=cache, shuffle=False, **kw)
+    ds = StreamingDataset(url, storage_options=opts, cache=cache, **{"shuffle": False, **kw})
     try:
         return list(ds), ds.stats()["dataset"]
     finally:
@@ -86,11 +86,14 @@ def test_mds_on_s3_reads_as_streaming_and_fetches_each_byte_once(tmp_path: Path,
     upload(folder, url, s3_env)
     _index(url, capsys)
     m = load_manifest(open_store(url, s3_env))
-    ours, stats = _read(url, cache, s3_env)
+    ours, stats = _read(url, cache, s3_env, shuffle=True, seed=3)  # a cold shuffled epoch: plain shards part by part
     theirs = streaming_reading(folder)
-    assert len(ours) == len(theirs)
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        same(a, b, f"sample {i}")
+    ids = [s["id"] for s in ours]
+    assert sorted(ids) == [s["id"] for s in theirs] and ids != sorted(ids), "every sample once, shuffled"
+    for a in ours:
+        same(a, theirs[a["id"]], f"sample {a['id']}")
+    partial = cache.stats()["partial_bytes"]  # plain shards are read part by part, compressed ones whole
+    assert (partial > 0) if compression is None else (partial == 0), partial
     manifest_bytes = len(open_store(url, s3_env).read_bytes("manifest.json"))
     assert stats["remote_bytes"] <= 1.01 * m.total_bytes + manifest_bytes, (stats, m.total_bytes)
 

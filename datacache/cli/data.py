@@ -49,6 +49,20 @@ def _local_count(fmt: ShardFormat, path: str, url: str, options: dict[str, Any])
                             hint=None if options else _HINT) from None
 
 
+def _unit_rows(fmt: ShardFormat, path: str, url: str) -> list[int]:
+    """Samples per unit of a local file's layout (its last unit, cut short by the file's end, left
+    out), as the writer records them for its own shards (``Manifest.unit_rows``)."""
+    assert fmt.layout is not None
+    with open(path, "rb") as f:
+        def read(start: int, end: int) -> bytes:
+            return os.pread(f.fileno(), end - start, start)
+        try:
+            lay = fmt.layout(read, os.fstat(f.fileno()).st_size, url)
+        except ShardReaderError as exc:
+            raise DcReaderError(exc.message, url=url) from None
+    return [b - a for a, b in zip(lay.first, lay.first[1:])]
+
+
 def _merge_schemas(fmt: ShardFormat, schemas: list[tuple[str, dict[str, str]]],
                    store: Store) -> dict[str, str]:
     if not schemas:
@@ -134,6 +148,7 @@ def cmd_index(ctx: Ctx) -> int:
         t0, stop = time.monotonic(), threading.Event()
         counts: dict[str, tuple[int, dict[str, str]]] = {}
         hashes: dict[str, str] = {}
+        units: dict[str, list[int]] = {}  # a foreign shard's samples per whole unit of its layout
 
         # 1. cheap checks first, by the format: Parquet footers (row counts, schema), tar first headers.
         def probe(item: tuple[str, int]) -> None:
@@ -160,6 +175,8 @@ def cmd_index(ctx: Ctx) -> int:
                     check_hashes(path, layout.hashes.get(name, {}), store.url_of(name))
                 if name not in counts:  # the probe could not tell: count in the local copy
                     counts[name] = _local_count(fmt, path, store.url_of(name), options)
+                if layout is not None and fmt.layout is not None and not options.get("compression"):
+                    units[name] = _unit_rows(fmt, path, store.url_of(name))
             finally:
                 os.unlink(path)
             declared = layout.samples.get(name) if layout is not None else None
@@ -175,7 +192,9 @@ def cmd_index(ctx: Ctx) -> int:
             progress.close()
         schema = _merge_schemas(fmt, [(n, counts[n][1]) for n, _ in objects], store)
         shards = tuple(ShardInfo(n, s, counts[n][0], hashes[n]) for n, s in objects)
-        how = {"foreign": layout.what, "reader_options": options} if layout is not None else \
+        rows = sorted(r for u in units.values() for r in u)
+        how = {"foreign": layout.what, "reader_options": options,
+               **({"unit_rows": rows[(len(rows) - 1) // 2]} if rows else {})} if layout is not None else \
             {"pattern": a.pattern or f"*{fmt.extension}", **({"split": a.split} if a.split else {})}
         manifest = Manifest(format=fmt.name, schema=schema, shards=shards,
                             extra={"indexed_by": f"datacache {__version__}", **how})

@@ -204,9 +204,16 @@ class ShardSource:
             self._forget(shard)
         return self.fetch(shard, priority=priority, use_at=use_at, cancelled=cancelled)
 
+    @property
+    def partial_reads(self) -> bool:
+        """Whether this dataset's shards can be read part by part (``load_rows``): the format has a
+        layout and the files are not compressed whole (reader option ``compression``: an MDS or LitData
+        shard whose bytes are not its samples' bytes)."""
+        return self.fmt.layout is not None and not self.reader_options.get("compression")
+
     def _partial(self, shard: int) -> PartialShard | None:
         """This process's handle on shard ``shard``'s partial copy (None: cached, or no layout)."""
-        if self.fmt.layout is None or shard in self._whole or self.cache.contains(self.key(shard)) is not None:
+        if not self.partial_reads or shard in self._whole or self.cache.contains(self.key(shard)) is not None:
             return None
         with self._partials_lock:
             if self._partials_pid != os.getpid():  # a forked child: the parent's handles are not ours
