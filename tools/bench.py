@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         link = stack.enter_context(SlowLink("127.0.0.1", server.port, bandwidth=a.bandwidth, latency=a.latency))
         meter = Meter(link)
         stack.callback(meter.close)
-        mds = {"streaming"} if ("datacache", "mds") in variants else set()  # its dataset: Streaming's
+        mds = {"streaming"} if ("datacache", "mds") in variants and any(runs_in("mds", sc["name"]) for sc in scs) \
+            else set()  # datacache+mds reads Streaming's dataset
         systems = sorted({s for s, _ in variants} | {"datacache"} | mds, key=SYSTEMS.index)
         datasets = ensure_datasets(a, server, systems, sorted({sc["dataset"] for sc in scs}))
         rate = memcpy_rate(datasets.get("datacache/main", {}).get("bytes", a.size))
