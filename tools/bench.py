@@ -260,7 +260,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     label = system if variant == "default" else f"{system}+{variant}"
     info = ctx["datasets"][f"{'streaming' if variant == 'mds' else system}/{sc['dataset']}"]
     if variant == "mds" and "bytes" in info:
-        index_in_place(ctx["server"], info["url"])
+        index_in_place(ctx["server"], info["url"], ctx.setdefault("indexed", set()))
     base = {"system": label, "family": system, "variant": variant, "scenario": sc["name"], "rep": rep}
     if "bytes" not in info:
         why = {"unavailable": info["unavailable"]} if "unavailable" in info else \
@@ -345,19 +345,17 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     return out
 
 
-def index_in_place(server: Any, url: str) -> None:
-    """``datacache index URL`` over a dataset another library wrote (once: kept beside its shards),
-    against the server itself: setup traffic never crosses the link."""
-    from contextlib import closing
-
-    import datacache
-
-    with closing(datacache.open_store(url, server.storage_options())) as store:
-        if store.exists("manifest.json"):
-            return
+def index_in_place(server: Any, url: str, done: set[str]) -> None:
+    """``datacache index URL --force`` over a dataset another library wrote, once per run of the bench
+    (``done``: the URLs indexed so far), in a process of its own, against the server itself: setup
+    traffic never crosses the link."""
+    if url in done:
+        return
     env = {**os.environ, "AWS_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.access_key,
            "AWS_SECRET_ACCESS_KEY": server.secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
-    subprocess.run([sys.executable, "-m", "datacache.cli", "index", url, "--quiet"], env=env, check=True)
+    subprocess.run([sys.executable, "-m", "datacache.cli", "index", url, "--force", "--quiet"], env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    done.add(url)
 
 
 def _predicted_nodes(info: dict[str, Any], sc: dict[str, Any], opts: dict[str, Any]) -> list[int] | None:
