@@ -13,7 +13,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,bench]"
+	# MosaicML Streaming and LitData, which tests/test_foreign.py compares datacache's reading of their
+	# datasets against, without their dependencies (torchvision would not import beside this torch; the
+	# bench extra holds what they import): see tools/bench_systems.py
+	$(PY) -m pip install -q --no-deps mosaicml-streaming==0.13.0 litdata==0.2.76
 	touch $@
 
 venv: $(VENV)/.installed

@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Mapping
 
 from .errors import DatacacheError, ManifestError
 from .hashing import ALGORITHM, hash_bytes
@@ -116,6 +116,13 @@ class Manifest:
         integer."""
         v = self.extra.get("unit_rows")
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+    def reader_options(self, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The keyword arguments for the format's reader: what the manifest records for these files
+        (``extra["reader_options"]``: e.g. an MDS dataset's columns, from its ``index.json``), with
+        the caller's ``given`` options over them."""
+        recorded = self.extra.get("reader_options")
+        return {**(recorded if isinstance(recorded, dict) else {}), **(given or {})}
 
     def cache_key(self, shard: int) -> str:
         """The node-cache key of a shard: dataset id plus relative name."""

@@ -8,7 +8,8 @@ Every failure to read a file is a :class:`ReaderError` (:mod:`readers.errors`). 
 ``errors`` <- ``codec`` <- ``base`` <- the format modules <- this package; never ``datacache``.
 
 Built-in formats: ``zstd`` (``.dcz``, native), ``parquet`` (``.parquet``), ``lmdb``
-(``.lmdb``) and ``tar`` (``.tar``, WebDataset layout).
+(``.lmdb``) and ``tar`` (``.tar``, WebDataset layout); read in place only: ``mds`` (MosaicML
+Streaming), ``litdata`` (LitData chunks) and ``arrow`` (Hugging Face ``save_to_disk`` files).
 
 The registry is meant to be filled at import time; :func:`register_format` is not thread-safe.
 Readers and writers: one object per thread (see :mod:`readers.base`).
@@ -18,16 +19,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from . import arrow as _arrow
 from . import codec
+from . import litdata as _litdata
 from . import lmdb as _lmdb
+from . import mds as _mds
 from . import parquet as _parquet
 from . import tar as _tar
 from . import zstd as _zstd
 from .base import ShardFormat, ShardReader, ShardWriter
-from .errors import ReaderError, UnknownFormatError
+from .errors import ReaderError, RefusedContentError, UnknownFormatError
 
 __all__ = [
-    "FORMATS", "UnknownFormatError", "ReaderError", "ShardReader", "ShardWriter", "ShardFormat",
+    "FORMATS", "UnknownFormatError", "ReaderError", "RefusedContentError", "ShardReader", "ShardWriter", "ShardFormat",
     "register_format", "get_format", "open_shard", "codec",
 ]
 
@@ -65,6 +69,6 @@ def open_shard(format_name: str, path: str | os.PathLike[str], **kw: Any) -> Sha
     return get_format(format_name).open(path, **kw)
 
 
-for _fmt in (_zstd.FORMAT, _parquet.FORMAT, _lmdb.FORMAT, _tar.FORMAT):
+for _fmt in (_zstd.FORMAT, _parquet.FORMAT, _lmdb.FORMAT, _tar.FORMAT, _mds.FORMAT, _litdata.FORMAT, _arrow.FORMAT):
     register_format(_fmt.name, _fmt)
 del _fmt

@@ -328,7 +328,8 @@ class ShardFormat:
     validates where a file's samples lie: a :class:`ShardLayout`, so that a cache may fill a file
     unit by unit and read samples from it before it is whole. ``union_schema``:
     samples may lack some fields (WebDataset tars), so a dataset's schema is the union of its
-    files' schemas rather than one schema they all share.
+    files' schemas rather than one schema they all share. ``writes``: false for a format datacache
+    reads in place but does not write (another library's files); its ``ShardWriter`` refuses.
     """
 
     name: str
@@ -338,6 +339,7 @@ class ShardFormat:
     probe: Probe | None = None
     union_schema: bool = False
     layout: Layout | None = None
+    writes: bool = True
 
     def open(self, path: str | os.PathLike[str], **kw: Any) -> ShardReader:
         """Open ``path`` as a shard of this format (raises :class:`ReaderError`)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["ReaderError", "UnknownFormatError", "HINT_FORMAT", "HINT_CORRUPT"]
+__all__ = ["ReaderError", "UnknownFormatError", "RefusedContentError", "HINT_FORMAT", "HINT_CORRUPT"]
 
 HINT_FORMAT = "Check the dataset's 'format' in manifest.json"  # a file of another format
 HINT_CORRUPT = "The file is truncated or corrupt; delete it so the cache fetches it again"
@@ -52,3 +52,8 @@ def _rebuild_error(cls: type[ReaderError], text: str, path: str | None,
 
 class UnknownFormatError(ReaderError):
     """A shard format name that is not registered (e.g. a manifest's ``format``)."""
+
+
+class RefusedContentError(ReaderError):
+    """A shard holds values the reader decodes only when told to: pickled values (another library's
+    files), since unpickling runs whatever code the file's writer put there. The message says how."""

@@ -202,18 +202,18 @@ def _foreign(root: Path, layout: str) -> Path:
 
 
 @pytest.mark.parametrize("layout, what, todo", [
-    ("mds", "is a MosaicML Streaming (MDS) dataset (index.json)", "streaming.StreamingDataset"),
-    ("litdata", "is a LitData optimized dataset (index.json)", "litdata.StreamingDataset"),
+    ("mds", "is a MosaicML Streaming (MDS) dataset (index.json)", "`datacache index {src}`"),
+    ("litdata", "is a LitData optimized dataset (index.json)", "`datacache index {src}`"),
     ("datacache", "/train (in {src}) is a datacache dataset (manifest.json)", "pass that folder itself"),
-    ("hf", "is a Hugging Face datasets folder (save_to_disk)", "ds.to_parquet("),
-    ("hf_dict", "is a Hugging Face datasets folder (save_to_disk)", "datasets.load_from_disk()"),
+    ("hf", "is a Hugging Face datasets folder (save_to_disk)", "`datacache index {src}`"),
+    ("hf_dict", "is a Hugging Face datasets folder (save_to_disk)", "`datacache index {src}/SPLIT`"),
 ], ids=["mds", "litdata", "datacache", "hf", "hf_dict"])
 def test_write_refuses_a_folder_holding_another_librarys_dataset(tmp_path: Path, capsys: Any, layout: str,
                                                                  what: str, todo: str) -> None:
     """Issue 37.5: ``datacache write`` of an MDS folder wrote index.json and the shards as samples."""
     src = str(_foreign(tmp_path / "src", layout))
     _, err = _cli(["write", src, str(tmp_path / "out")], capsys, rc=2)
-    assert len(err.strip().splitlines()) == 1 and what.format(src=src) in err and todo in err, err
+    assert len(err.strip().splitlines()) == 1 and what.format(src=src) in err and todo.format(src=src) in err, err
     assert "--src-type folder" in err and not (tmp_path / "out").exists()
     out, _ = _cli(["write", src, str(tmp_path / "raw"), "--src-type", "folder"], capsys)  # asked for: the files
     assert out["src_type"] == "folder" and out["num_samples"] >= 2

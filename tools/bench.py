@@ -69,7 +69,9 @@ without torchdata's StatefulDataLoader (the default's base class before 11bac14)
 ``datacache+window`` (cold, warm, shuffle): ``node_shuffle="window"``, the cold epoch through
 the sliding window rather than the default's part mix; ``datacache+never`` (raw, raw-bytes, small,
 small-1024): ``node_shuffle="never"``, the warm epoch in the sliding window's order, beside the
-default's uniform shuffle. The mix scenario runs the default variants only.
+default's uniform shuffle; ``datacache+mds`` (cold, warm): datacache over the Streaming system's MDS
+dataset of the same samples, indexed in place once by ``datacache index`` (``--systems datacache
+--variants mds`` runs it beside the default alone). The mix scenario runs the default variants only.
 
 CPU: every epoch records the CPU-seconds of the run's processes (the training process, every
 DataLoader worker, any helper process a system starts: ``tools/bench_cpu.py``), reported as CPU
@@ -96,6 +98,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -121,13 +124,16 @@ SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 # "dropin": datacache through a plain torch DataLoader over samples, run in DROPIN only; "torch":
 # datacache's batched mode through a plain torch DataLoader (batch_size=None), run in TORCH only;
 # "window": datacache with node_shuffle="window" (its cold epoch through the sliding window, not
-# the default's part mix), run in MATCHED only
-VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "window", "never"),
+# the default's part mix), run in MATCHED only; "never": node_shuffle="never" (bench_derived); "mds": datacache
+# over Streaming's MDS dataset of the same samples, indexed in place by `datacache index` (issue 41), run in MDS only
+VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "window", "never",
+                          "mds"),
             "streaming": ("default", "tuned", "match-datacache"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
 MATCHED = ("cold", "warm", "shuffle")
 DROPIN = ("warm",)
 TORCH = ("warm", "small", "raw")
+MDS = ("cold", "warm")
 SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes", "shuffle",
              "mix") + bench_derived.SCENARIOS
 
@@ -138,12 +144,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="160 MB (small: 20 MB), 1 rep: about 5 minutes")
     p.add_argument("--scenario", default=",".join(SCENARIOS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--variants", default="default,tuned,matched,dropin,torch,window,never",
+    p.add_argument("--variants", default="default,tuned,matched,dropin,torch,window,never,mds",
                    help="settings to run: default, tuned, matched (the match-* variants, in cold, warm, shuffle), "
                         "dropin (datacache over samples through torch's DataLoader, in warm), torch (datacache's "
                         "batched mode through torch's DataLoader, in warm, small, raw), window (datacache's cold epoch "
                         "through the sliding window, in cold, warm, shuffle), never (datacache with "
-                        "node_shuffle='never', in raw, raw-bytes, small, small-1024)")
+                        "node_shuffle='never', in raw, raw-bytes, small, small-1024), mds (datacache over Streaming's "
+                        "MDS dataset, indexed in place, in cold, warm)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
     p.add_argument("--size", help="dataset size (default 500MB; 160MB with --quick)")
     p.add_argument("--small-size", help="1 KiB-sample dataset size (default 100MB; 20MB with --quick)")
@@ -225,6 +232,8 @@ def runs_in(variant: str, scenario_name: str) -> bool:
         return scenario_name in TORCH
     if variant == "never":
         return bench_derived.runs_never(scenario_name)
+    if variant == "mds":
+        return scenario_name in MDS
     return scenario_name != "mix" or variant == "default"
 
 
@@ -267,7 +276,9 @@ def storm_figures(link: Any, storm: float, timeline: list, bandwidth: float) -> 
 def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: str, sc: dict[str, Any], rep: int,
             profile: str | None = None) -> list[dict[str, Any]]:
     label = system if variant == "default" else f"{system}+{variant}"
-    info = ctx["datasets"][f"{system}/{sc['dataset']}"]
+    info = ctx["datasets"][f"{'streaming' if variant == 'mds' else system}/{sc['dataset']}"]
+    if variant == "mds" and "bytes" in info:
+        index_in_place(ctx["server"], info["url"], ctx.setdefault("indexed", set()))
     base = {"system": label, "family": system, "variant": variant, "scenario": sc["name"], "rep": rep}
     if "bytes" not in info:
         why = {"unavailable": info["unavailable"]} if "unavailable" in info else \
@@ -353,6 +364,19 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     return out
 
 
+def index_in_place(server: Any, url: str, done: set[str]) -> None:
+    """``datacache index URL --force`` over a dataset another library wrote, once per run of the bench
+    (``done``: the URLs indexed so far), in a process of its own, against the server itself: setup
+    traffic never crosses the link."""
+    if url in done:
+        return
+    env = {**os.environ, "AWS_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.access_key,
+           "AWS_SECRET_ACCESS_KEY": server.secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
+    subprocess.run([sys.executable, "-m", "datacache.cli", "index", url, "--force", "--quiet"], env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    done.add(url)
+
+
 def _predicted_nodes(info: dict[str, Any], sc: dict[str, Any], opts: dict[str, Any]) -> list[int] | None:
     """The nodes scenario's remote bytes per epoch as ``tools/scale_model`` predicts them from the
     plan of datacache's dataset (its manifest), for datacache's layout."""
@@ -395,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         link = stack.enter_context(SlowLink("127.0.0.1", server.port, bandwidth=a.bandwidth, latency=a.latency))
         meter = Meter(link)
         stack.callback(meter.close)
-        systems = sorted({s for s, _ in variants} | {"datacache"}, key=SYSTEMS.index)
+        mds = {"streaming"} if ("datacache", "mds") in variants and any(runs_in("mds", sc["name"]) for sc in scs) \
+            else set()  # datacache+mds reads Streaming's dataset
+        systems = sorted({s for s, _ in variants} | {"datacache"} | mds, key=SYSTEMS.index)
         datasets = ensure_datasets(a, server, systems, sorted({sc["dataset"] for sc in scs}))
         rate = memcpy_rate(datasets.get("datacache/main", {}).get("bytes", a.size))
         ctx = {"server": server, "link": link, "meter": meter, "datasets": datasets, "counter": 0, "memcpy_rate": rate}

@@ -9,10 +9,11 @@ import tempfile
 import threading
 import time
 from contextlib import closing
+from typing import Any
 
 from .._version import __version__
 from ..config import format_size
-from ..errors import DatacacheError, ManifestError, NotFoundError
+from ..errors import DatacacheError, IntegrityError, ManifestError, NotFoundError
 from ..errors import ReaderError as DcReaderError
 from ..manifest import MANIFEST_NAME, Manifest, ShardInfo, validate_shard_name
 from ..progress import Progress
@@ -21,6 +22,7 @@ from ..readers import ShardFormat, get_format
 from ..store.storage import Store, open_store
 from ..writer import DatasetWriter
 from .common import Ctx, UsageError, _download, _mbps, _run_pool, _watch
+from .foreign import Layout, check_hashes, detect
 from .sources import open_source
 
 __all__ = ["cmd_index", "cmd_write"]
@@ -37,14 +39,28 @@ def _probe(fmt: ShardFormat, store: Store, name: str, size: int) -> tuple[int, d
         raise DcReaderError(exc.message, url=store.url_of(name), hint=_HINT) from None
 
 
-def _local_count(fmt: ShardFormat, path: str, url: str) -> tuple[int, dict[str, str]]:
+def _local_count(fmt: ShardFormat, path: str, url: str, options: dict[str, Any]) -> tuple[int, dict[str, str]]:
     """(samples, schema) of a local file, exactly as the dataset's reader will see it."""
     try:
-        with fmt.open(path) as r:
+        with fmt.open(path, **options) as r:
             return len(r), r.field_kinds()
     except ShardReaderError as exc:
         raise DcReaderError(f"cannot read as {fmt.name}: {str(exc).replace(path, 'file')}", url=url,
-                            hint=_HINT) from None
+                            hint=None if options else _HINT) from None
+
+
+def _unit_rows(fmt: ShardFormat, path: str, url: str) -> list[int]:
+    """Samples per unit of a local file's layout (its last unit, cut short by the file's end, left
+    out), as the writer records them for its own shards (``Manifest.unit_rows``)."""
+    assert fmt.layout is not None
+    with open(path, "rb") as f:
+        def read(start: int, end: int) -> bytes:
+            return os.pread(f.fileno(), end - start, start)
+        try:
+            lay = fmt.layout(read, os.fstat(f.fileno()).st_size, url)
+        except ShardReaderError as exc:
+            raise DcReaderError(exc.message, url=url) from None
+    return [b - a for a, b in zip(lay.first, lay.first[1:])]
 
 
 def _merge_schemas(fmt: ShardFormat, schemas: list[tuple[str, dict[str, str]]],
@@ -75,29 +91,64 @@ def _in_split(name: str, split: str) -> bool:
     return split in dirs or base.startswith(f"{split}-") or base.split(".", 1)[0] == split
 
 
+def _pattern_objects(a: Any, store: Store, fmt: ShardFormat, listing: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The objects ``--format`` / ``--pattern`` / ``--split`` pick (NotFoundError for none, UsageError
+    for several splits without a choice)."""
+    pattern = a.pattern or f"*{fmt.extension}"
+    objects = [(n, s) for n, s in listing if n != MANIFEST_NAME and fnmatch.fnmatchcase(n, pattern)
+               and (a.split is None or _in_split(n, a.split))]
+    if not objects:
+        where = f" in split {a.split!r}" if a.split else ""
+        raise NotFoundError(f"no objects match {pattern!r}{where} under this prefix", url=store.url,
+                            hint="Check the URL, --pattern and --split")
+    splits = sorted({s for n, _ in objects for s in _KNOWN_SPLITS if _in_split(n, s)})
+    if len(splits) > 1 and a.split is None and a.pattern is None:
+        raise UsageError(f"objects of several splits match {pattern!r} under {store.url} ({', '.join(splits)}); "
+                         f"pass --split {'train' if 'train' in splits else splits[0]} (or --pattern)")
+    return objects
+
+
+def _foreign_objects(layout: Layout, store: Store, listing: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The shards ``layout`` lists, with their sizes (NotFoundError naming one the store lacks)."""
+    sizes = dict(listing)
+    for name in layout.shards:
+        validate_shard_name(name, store.url_of(name))
+        if name not in sizes:
+            raise NotFoundError(f"the dataset's index lists {name!r} but the store has no such object",
+                                url=store.url_of(name), hint="The dataset is incomplete: restore the shard")
+    return [(n, sizes[n]) for n in layout.shards]
+
+
+def _select(a: Any, store: Store) -> tuple[ShardFormat, list[tuple[str, int]], Layout | None]:
+    """(the format, the objects to index, the foreign layout found when no --format was given)."""
+    listing = store.list()
+    if a.format is not None:
+        fmt = get_format(a.format)
+        return fmt, _pattern_objects(a, store, fmt, listing), None
+    layout = detect(store, {n for n, _ in listing})
+    if layout is None:
+        raise UsageError(f"no MosaicML Streaming, LitData or Hugging Face dataset at {store.url} (no index.json, "
+                         "state.json); pass --format parquet, tar or lmdb to index such files")
+    if a.pattern or a.split:
+        raise UsageError(f"{store.url} is a {layout.what} dataset: its index names the shards, so --pattern and "
+                         "--split do not apply")
+    return get_format(layout.format), _foreign_objects(layout, store, listing), layout
+
+
 def cmd_index(ctx: Ctx) -> int:
     a = ctx.args
-    fmt = get_format(a.format)
-    pattern = a.pattern or f"*{fmt.extension}"
     with closing(open_store(a.url, ctx.storage_options)) as store:
         if not a.force and store.exists(MANIFEST_NAME):
             raise UsageError(f"{store.url_of(MANIFEST_NAME)} already exists; pass --force to replace it")
-        objects = [(n, s) for n, s in store.list() if n != MANIFEST_NAME and fnmatch.fnmatchcase(n, pattern)
-                   and (a.split is None or _in_split(n, a.split))]
-        if not objects:
-            where = f" in split {a.split!r}" if a.split else ""
-            raise NotFoundError(f"no objects match {pattern!r}{where} under this prefix", url=store.url,
-                                hint="Check the URL, --pattern and --split")
-        splits = sorted({s for n, _ in objects for s in _KNOWN_SPLITS if _in_split(n, s)})
-        if len(splits) > 1 and a.split is None and a.pattern is None:
-            raise UsageError(f"objects of several splits match {pattern!r} under {store.url} ({', '.join(splits)}); "
-                             f"pass --split {'train' if 'train' in splits else splits[0]} (or --pattern)")
+        fmt, objects, layout = _select(a, store)
+        options = layout.reader_options if layout is not None else {}
         for n, _ in objects:
             validate_shard_name(n, store.url_of(n))
         total = sum(s for _, s in objects)
         t0, stop = time.monotonic(), threading.Event()
         counts: dict[str, tuple[int, dict[str, str]]] = {}
         hashes: dict[str, str] = {}
+        units: dict[str, list[int]] = {}  # a foreign shard's samples per whole unit of its layout
 
         # 1. cheap checks first, by the format: Parquet footers (row counts, schema), tar first headers.
         def probe(item: tuple[str, int]) -> None:
@@ -109,7 +160,8 @@ def cmd_index(ctx: Ctx) -> int:
         if fmt.probe is not None:
             _run_pool(objects, probe, a.threads, stop, "datacache-index")
 
-        # 2. hash every object (and count tar/lmdb samples in the local copy hashing makes).
+        # 2. hash every object (and count tar/lmdb samples in the local copy hashing makes; check a
+        # foreign shard against its own index's hashes and sample count).
         progress = Progress(ctx.quiet, total, "hashing", len(objects), "objects")
         on_bytes = _watch(stop, progress)
 
@@ -119,10 +171,18 @@ def cmd_index(ctx: Ctx) -> int:
             name, size = item
             path, h = _download(store, name, size, tmpdir, on_bytes, stop.is_set)
             try:
+                if layout is not None:
+                    check_hashes(path, layout.hashes.get(name, {}), store.url_of(name))
                 if name not in counts:  # the probe could not tell: count in the local copy
-                    counts[name] = _local_count(fmt, path, store.url_of(name))
+                    counts[name] = _local_count(fmt, path, store.url_of(name), options)
+                if layout is not None and fmt.layout is not None and not options.get("compression"):
+                    units[name] = _unit_rows(fmt, path, store.url_of(name))
             finally:
                 os.unlink(path)
+            declared = layout.samples.get(name) if layout is not None else None
+            if declared is not None and declared != counts[name][0]:
+                raise IntegrityError(f"the shard holds {counts[name][0]} samples, the dataset's index declares "
+                                     f"{declared}", url=store.url_of(name), hint="The shard or its index is damaged")
             hashes[name] = h
             progress.item_done()
         try:
@@ -132,17 +192,21 @@ def cmd_index(ctx: Ctx) -> int:
             progress.close()
         schema = _merge_schemas(fmt, [(n, counts[n][1]) for n, _ in objects], store)
         shards = tuple(ShardInfo(n, s, counts[n][0], hashes[n]) for n, s in objects)
+        rows = sorted(r for u in units.values() for r in u)
+        how = {"foreign": layout.what, "reader_options": options,
+               **({"unit_rows": rows[(len(rows) - 1) // 2]} if rows else {})} if layout is not None else \
+            {"pattern": a.pattern or f"*{fmt.extension}", **({"split": a.split} if a.split else {})}
         manifest = Manifest(format=fmt.name, schema=schema, shards=shards,
-                            extra={"indexed_by": f"datacache {__version__}", "pattern": pattern,
-                                   **({"split": a.split} if a.split else {})})
+                            extra={"indexed_by": f"datacache {__version__}", **how})
         store.write_bytes(MANIFEST_NAME, manifest.to_json().encode())
         url = store.url_of(MANIFEST_NAME)
     seconds = time.monotonic() - t0
+    what = f"{layout.what} dataset, " if layout is not None else ""
     ctx.emit({"url": url, "dataset_id": manifest.dataset_id, "format": fmt.name, "schema": schema,
               "num_shards": len(shards), "num_samples": manifest.num_samples, "total_bytes": total,
               "seconds": round(seconds, 3)},
-             [f"wrote {url}: {len(shards)} {fmt.name} shards, {manifest.num_samples:,} samples, {format_size(total)} "
-              f"(read once to hash, {_mbps(total, seconds):.1f} MB/s)",
+             [f"wrote {url}: {what}{len(shards)} {fmt.name} shards, {manifest.num_samples:,} samples, "
+              f"{format_size(total)} (read once to hash, {_mbps(total, seconds):.1f} MB/s)",
               f"  dataset id  {manifest.dataset_id}", f"  schema      {json.dumps(schema)}"])
     return 0
 

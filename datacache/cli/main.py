@@ -148,12 +148,15 @@ examples:
 """,
     "index": """\
 Builds manifest.json for objects already at a prefix (e.g. a Hugging Face Parquet dataset, or
-WebDataset tars) without rewriting them. Sample counts come from the Parquet footers (two small
+WebDataset tars) without rewriting them. Without --format, URL must hold a dataset another
+library wrote: MosaicML Streaming (MDS), LitData (optimize) or Hugging Face save_to_disk; its own
+index names the shards, and any hashes it lists are checked. Sample counts come from the Parquet footers (two small
 range reads per file, checked before anything else is read) or, for tar and lmdb, from the local
 copy that hashing makes. Hashing needs every object to be read once (a progress bar shows it):
 the manifest records a content hash per shard so the cache can verify what it serves.
 
 examples:
+  datacache index s3://bucket/mds-dataset/
   datacache index s3://bucket/hf/ --format parquet --split train
   datacache index s3://bucket/wds/ --format tar
   datacache index /data/lmdb-shards --format lmdb --threads 4
@@ -282,9 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show each node's share of a job on this many nodes (node placement)")
     p.add_argument("--seed", type=int, default=0, help="the dataset seed, with --nodes (default 0)")
 
-    p = _sub(subs, "index", "build manifest.json for existing parquet/tar/lmdb files")
+    p = _sub(subs, "index", "build manifest.json for an MDS/LitData/HF dataset or parquet/tar/lmdb files")
     p.add_argument("url", metavar="URL", type=_url, help="prefix holding the files")
-    p.add_argument("--format", required=True, choices=("parquet", "tar", "lmdb"), help="format of the files")
+    p.add_argument("--format", default=None, choices=("parquet", "tar", "lmdb"),
+                   help="format of the files; without it, the MosaicML Streaming (MDS), LitData or Hugging Face "
+                        "save_to_disk dataset at URL (found by its index.json / state.json)")
     p.add_argument("--pattern", metavar="GLOB", default=None,
                    help="which objects (relative names; '*' crosses '/'); default '*.parquet' / '*.tar' / '*.lmdb'")
     p.add_argument("--split", metavar="NAME", help="only this split's files (Hugging Face: NAME-*.parquet, NAME/)")

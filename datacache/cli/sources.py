@@ -6,7 +6,8 @@ Folders: one sample per file (or, grouped, per WebDataset key). Files in class f
 folder names) and ``class`` (its name). ``shuffle`` writes the samples in a seeded random order;
 without it, class folders come one after another, which a warning points out. A folder holding a
 dataset another library wrote (an MDS or LitData ``index.json``, a datacache ``manifest.json``
-below the top, a Hugging Face ``save_to_disk`` folder) is refused with what to do instead, unless
+below the top, a Hugging Face ``save_to_disk`` folder) is refused with what to do instead (``datacache
+index`` it, then read it in place or write it from there), unless
 ``--src-type folder`` asks for its files as they are.
 
 Foreign values become datacache field values (:func:`normalize`): bool -> int, lists and dicts ->
@@ -115,21 +116,25 @@ def _json_object(path: str) -> dict[str, Any]:
 
 def _layout(folder: str, names: set[str]) -> tuple[str, str] | None:
     """(what dataset layout ``folder``, holding the marker files ``names``, is; what to do), or None."""
+    folder = os.path.normpath(folder)
     if "index.json" in names:
         doc = _json_object(os.path.join(folder, "index.json"))
         shards, chunks = doc.get("shards"), doc.get("chunks")
         if isinstance(shards, list) and shards and isinstance(shards[0], dict) and "raw_data" in shards[0]:
             return ("a MosaicML Streaming (MDS) dataset (index.json)",
-                    "read its samples with streaming.StreamingDataset and pass them to datacache.write_dataset()")
+                    f"read it in place after `datacache index {folder}` (then writing that folder converts it)")
         if isinstance(chunks, list) and isinstance(doc.get("config"), dict):
             return ("a LitData optimized dataset (index.json)",
-                    "read its samples with litdata.StreamingDataset and pass them to datacache.write_dataset()")
+                    f"read it in place after `datacache index {folder}` (then writing that folder converts it)")
     if MANIFEST_NAME in names and {"format", "shards"} <= set(_json_object(os.path.join(folder, MANIFEST_NAME))):
         return f"a datacache dataset ({MANIFEST_NAME})", "pass that folder itself as the source to convert it"
-    if "dataset_dict.json" in names or {"dataset_info.json", "state.json"} <= names:
+    if "dataset_dict.json" in names:
         return ("a Hugging Face datasets folder (save_to_disk)",
-                "export it with ds.to_parquet('train.parquet') and write that file, or pass the samples of "
-                "datasets.load_from_disk() to datacache.write_dataset()")
+                f"read a split in place after `datacache index {os.path.join(folder, 'SPLIT')}` (then writing that "
+                "folder converts it)")
+    if {"dataset_info.json", "state.json"} <= names:
+        return ("a Hugging Face datasets folder (save_to_disk)",
+                f"read it in place after `datacache index {folder}` (then writing that folder converts it)")
     return None
 
 
@@ -248,7 +253,7 @@ def _dataset_samples(url: str, storage_options: dict[str, Any]) -> Iterator[dict
                     if h != info.hash:
                         raise IntegrityError(f"content hash {h} != manifest {info.hash}", url=store.url_of(info.name),
                                              hint="Run `datacache verify` on the source")
-                    with fmt.open(path) as r:
+                    with fmt.open(path, **m.reader_options()) as r:
                         for i, sample in enumerate(r):
                             yield normalize(sample, f"{info.name} sample {i}", store.url_of(info.name))
                 finally:

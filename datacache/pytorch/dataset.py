@@ -273,7 +273,7 @@ class StreamingDataset(tud.IterableDataset):
             self.node_shuffle, self.shuffle_chunk, self.cache, consumers, epoch=spec.epoch,
             datasets=self._key_datasets, share_cached=None if self._mix is not None else share_cached,
             ident=(self.manifest.dataset_id, self.seed, self.dp_size, self.num_nodes, spec.node),
-            parts=self._mix is None and self.source.fmt.layout is not None))
+            parts=self._mix is None and self.source.partial_reads))
 
     def _num_nodes(self) -> int:
         """Nodes the data-parallel ranks spread over (``dist.plan_nodes``); 1 (a global plan) when

@@ -2,7 +2,7 @@
 
 Opening a 16 MB cached shard costs little, but mapping its pages costs about 0.4 µs per 4 KiB
 page, as much as copying them again. A process that reads the same cached shards every epoch
-keeps their readers (and mappings) here, keyed by path and checked against the file's identity
+keeps their readers (and mappings) here, keyed by path and reader options and checked against the file's identity
 (inode, size, mtime) at every use: an entry the cache has replaced or evicted is closed, never
 read. Mappings of files the cache has since deleted are closed by a sweep at most once a second
 (at a ``checkout`` or ``checkin``), so they hold memory the cache has given back only that long.
@@ -25,21 +25,23 @@ __all__ = ["OpenShards", "open_shards"]
 
 
 class OpenShards:
-    """Up to ``max_open`` idle readers of local shard files (see the module docstring)."""
+    """Up to ``max_open`` idle readers of local shard files (see the module docstring), holding at
+    most ``max_held`` bytes of memory of their own (``held_bytes``: a compressed MDS or LitData
+    shard's inflated copy; mappings are not counted) beside the newest one."""
 
-    def __init__(self, max_open: int = 64, sweep_every: float = 1.0) -> None:
-        self.max_open, self.sweep_every = max_open, sweep_every
+    def __init__(self, max_open: int = 64, sweep_every: float = 1.0, max_held: int = 256 << 20) -> None:
+        self.max_open, self.sweep_every, self.max_held = max_open, sweep_every, max_held
         self._swept = 0.0
-        self._idle: collections.OrderedDict[tuple[str, str], tuple[Any, tuple[int, int, int]]] = \
+        self._idle: collections.OrderedDict[tuple[str, str, str], tuple[Any, tuple[int, int, int]]] = \
             collections.OrderedDict()
         self._lock = threading.Lock()
 
     def checkout(self, fmt: ShardFormat, path: str, options: dict[str, Any]) -> Any:
         """An open reader of ``path`` (reused if its file is unchanged); give it back with ``checkin``."""
         identity = _identity(path)
-        key = (fmt.name, path)
+        key = (fmt.name, path, _options_key(options))
         with self._lock:
-            entry = self._idle.pop(key, None) if not options else None
+            entry = self._idle.pop(key, None)
             idle = self._due()
         for r in self._drop_stale(idle):
             r.close()
@@ -52,19 +54,22 @@ class OpenShards:
         return reader
 
     def checkin(self, fmt: ShardFormat, path: str, reader: Any, options: dict[str, Any]) -> None:
-        """Keep ``reader`` for the next run of the same file (readers opened with options are closed)."""
-        if options:
-            reader.close()
-            return
+        """Keep ``reader`` for the next run of the same file with the same ``options``."""
+        key = (fmt.name, path, _options_key(options))
         with self._lock:
-            old = self._idle.pop((fmt.name, path), None)
-            self._idle[(fmt.name, path)] = (reader, reader._datacache_identity)
+            old = self._idle.pop(key, None)
+            self._idle[key] = (reader, reader._datacache_identity)
             over = [self._idle.popitem(last=False)[1][0] for _ in range(len(self._idle) - self.max_open)]
+            held = sum(_held(r) for r, _ in self._idle.values())
+            while held > self.max_held and len(self._idle) > 1:  # the oldest first, never the newest
+                out = self._idle.popitem(last=False)[1][0]
+                held -= _held(out)
+                over.append(out)
             idle = self._due()
         for r in ([old[0]] if old else []) + over + self._drop_stale(idle):
             r.close()
 
-    def _due(self) -> list[tuple[tuple[str, str], tuple[int, int, int]]]:
+    def _due(self) -> list[tuple[tuple[str, str, str], tuple[int, int, int]]]:
         """The idle entries to check now: all of them, once per ``sweep_every`` (under the lock)."""
         now = time.monotonic()
         if now - self._swept < self.sweep_every:
@@ -72,7 +77,7 @@ class OpenShards:
         self._swept = now
         return [(k, ident) for k, (_, ident) in self._idle.items()]
 
-    def _drop_stale(self, idle: list[tuple[tuple[str, str], tuple[int, int, int]]]) -> list[Any]:
+    def _drop_stale(self, idle: list[tuple[tuple[str, str, str], tuple[int, int, int]]]) -> list[Any]:
         """Take out the idle readers whose file is gone or replaced (``stat`` outside the lock)."""
         stale = [(key, ident) for key, ident in idle if _identity(key[1]) != ident]
         out = []
@@ -89,6 +94,15 @@ class OpenShards:
             idle, self._idle = list(self._idle.values()), collections.OrderedDict()
         for reader, _ in idle:
             reader.close()
+
+
+def _held(reader: Any) -> int:
+    return getattr(reader, "held_bytes", 0)
+
+
+def _options_key(options: dict[str, Any]) -> str:
+    """Readers opened with other options are other readers (an MDS reader decoding images or not)."""
+    return repr(sorted(options.items())) if options else ""
 
 
 def _identity(path: str) -> tuple[int, int, int]:

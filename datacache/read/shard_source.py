@@ -34,7 +34,7 @@ from ..config import CacheConfig, RetryConfig, TransferConfig
 from ..errors import IntegrityError, NotFoundError, ReaderError
 from ..manifest import Manifest, load_manifest
 from ..readers import ReaderError as ShardReaderError
-from ..readers import get_format
+from ..readers import RefusedContentError, get_format
 from ..store.storage import Store, open_store
 from .open_readers import open_shards
 
@@ -69,13 +69,14 @@ class ShardSource:
     """One dataset's shards through one node cache (see the module docstring).
 
     ``store``: where the shards live; ``manifest``: the dataset; ``cache``: the node cache;
-    ``reader_options``: keyword arguments for the format's ``open``.
+    ``reader_options``: keyword arguments for the format's ``open``, over those the manifest
+    records (``Manifest.reader_options``).
     """
 
     def __init__(self, store: Store, manifest: Manifest, cache: NodeCache, *,
                  reader_options: Mapping[str, Any] | None = None) -> None:
         self.store, self.manifest, self.cache = store, manifest, cache
-        self.reader_options = dict(reader_options or {})
+        self.reader_options = manifest.reader_options(reader_options)
         self.fmt = get_format(manifest.format)
         self._init_parts()
 
@@ -203,9 +204,16 @@ class ShardSource:
             self._forget(shard)
         return self.fetch(shard, priority=priority, use_at=use_at, cancelled=cancelled)
 
+    @property
+    def partial_reads(self) -> bool:
+        """Whether this dataset's shards can be read part by part (``load_rows``): the format has a
+        layout and the files are not compressed whole (reader option ``compression``: an MDS or LitData
+        shard whose bytes are not its samples' bytes)."""
+        return self.fmt.layout is not None and not self.reader_options.get("compression")
+
     def _partial(self, shard: int) -> PartialShard | None:
         """This process's handle on shard ``shard``'s partial copy (None: cached, or no layout)."""
-        if self.fmt.layout is None or shard in self._whole or self.cache.contains(self.key(shard)) is not None:
+        if not self.partial_reads or shard in self._whole or self.cache.contains(self.key(shard)) is not None:
             return None
         with self._partials_lock:
             if self._partials_pid != os.getpid():  # a forked child: the parent's handles are not ours
@@ -291,6 +299,8 @@ class ShardSource:
         except (ShardReaderError, ValueError, OSError) as exc:
             if isinstance(exc, (ReaderError, IntegrityError)) or (not pooled and isinstance(exc, FileNotFoundError)):
                 raise  # a partial copy's FileNotFoundError: the caller reads the cache entry
+            if isinstance(exc, RefusedContentError):  # it says what to do: no guess about the format
+                raise ReaderError(exc.message, url=self.url(shard)) from exc
             raise ReaderError(f"cannot read shard as {self.manifest.format!r}: {exc}", url=self.url(shard),
                               hint="Check the manifest's format, or rebuild the shard") from exc
 
