@@ -216,3 +216,28 @@ def test_a_slow_holder_is_hedged_by_the_store(tmp_path: Path) -> None:
     finally:
         slow.close()
         src.close()
+
+
+def test_an_owner_takes_back_its_shards_from_the_peers_that_hold_them(tmp_path: Path) -> None:
+    """Node 1 holds 4 shards node 0 owns (stand-ins: node 0 was not up when they were read): node 0's
+    repair fetches them from node 1, never from the store, up to its limit."""
+    url, m = _dataset(tmp_path)
+    a, b = _source(tmp_path, url, "a"), _source(tmp_path, url, "b")
+    addrs = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    _tier(a, addrs, 0, owner=0)
+    tb = _tier(b, addrs, 1, owner=0)
+    for i in range(4):
+        b.fetch(i, via_peers=False).release()
+    server = serve(b.cache, tb.membership)
+    assert server is not None
+    try:
+        assert a.repair(limit=3) == 3
+        held = [i for i in range(len(m.shards)) if a.cache.contains(a.key(i))]
+        st = _peer_stats(a)
+        assert len(held) == 3 and set(held) < {0, 1, 2, 3}
+        assert st["bytes_from_peers"] == sum(m.shards[i].bytes for i in held) and st["bytes_from_store"] == 0
+        assert a.repair() == 1 and a.repair() == 0  # the last one; then nothing a peer holds is missing
+    finally:
+        server.close()
+        a.close()
+        b.close()
