@@ -26,12 +26,12 @@ from tests.helpers.nodes import TIMEOUT, Job, exactly_once
 from tools.s3server import free_ports
 from tools.slowlink import SlowLink
 
-N = 3000
+N = 2000
 
 
 def _dataset(s3_server: Any) -> tuple[str, Any]:
     url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/"
-    rng = np.random.default_rng(0)  # incompressible: 1 KB a sample, ~8 KB shards (~370 of them)
+    rng = np.random.default_rng(0)  # incompressible: 1 KB a sample, ~8 KB shards (250 of them)
     m = write_dataset(({"i": i, "x": rng.integers(0, 2**31 - 1, 256, dtype=np.int32)} for i in range(N)), url,
                       shard_bytes=8 << 10, storage_options=s3_server.storage_options(), progress=False)
     return url, m
