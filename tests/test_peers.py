@@ -241,3 +241,54 @@ def test_an_owner_takes_back_its_shards_from_the_peers_that_hold_them(tmp_path: 
         server.close()
         a.close()
         b.close()
+
+
+def test_a_standby_process_takes_over_the_nodes_server(tmp_path: Path) -> None:
+    """Two datacache processes of one node: the first serves, the second waits on the node's server
+    lock; when the first is killed, the second serves on the same address (one server per node,
+    alive while any datacache process of the node is)."""
+    import subprocess
+    import sys
+    import time
+
+    from datacache.peer import server as server_mod
+
+    cfg = {"ram_bytes": "1MB", "ssd_bytes": 0, "ram_dir": str(tmp_path / "ram"), "ssd_dir": str(tmp_path / "ssd")}
+    addr = f"127.0.0.1:{free_ports(1)[0]}"
+    script = (f"import sys, time; from datacache import CacheConfig, NodeCache, PeerConfig; from datacache.dist import "
+              f"DistInfo; from datacache.peer import resolve, serve; c = NodeCache(CacheConfig(**{cfg!r})); "
+              f"assert serve(c, resolve(PeerConfig(peers=[{addr!r}], token={TOKEN!r}), DistInfo())) is not None; "
+              "print('serving', flush=True); time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "serving"
+        from datacache import NodeCache
+
+        cache = NodeCache(CacheConfig(**cfg))  # type: ignore[arg-type]
+        membership = resolve(PeerConfig(peers=[addr], token=TOKEN), DistInfo())
+        assert membership is not None and serve(cache, membership) is None  # the child serves; we stand by
+
+        def answers() -> bool:
+            try:
+                urllib.request.urlopen(f"http://{addr}/v1/held/x", timeout=2)
+            except urllib.error.HTTPError as exc:
+                return exc.code == 401
+            except OSError:
+                return False
+            return False
+
+        assert answers()
+        child.kill()
+        child.wait()
+        deadline = time.monotonic() + 60
+        while not answers():
+            assert time.monotonic() < deadline, "nobody took over the node's server"
+            time.sleep(0.05)
+        lease = server_mod._leases[str(Path(cache.control_dir) / f"peer-server-{addr.rsplit(':', 1)[1]}.lock")]
+        assert lease.server is not None  # this process serves now
+        lease.server.close()
+        cache.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
