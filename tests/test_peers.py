@@ -18,7 +18,7 @@ from datacache import CacheConfig, PeerConfig
 from datacache.dist import DistInfo
 from datacache.peer.auth import HEADER, Signer
 from datacache.peer.membership import exchange, resolve
-from datacache.peer.placement import owners, rendezvous
+from datacache.peer.placement import fit, name_hashes, owners, rendezvous
 from datacache.peer.server import serve
 from datacache.peer.tier import PeerTier
 from datacache.read.shard_source import ShardSource
@@ -96,6 +96,22 @@ def test_rendezvous_moves_only_the_new_nodes_share() -> None:
     assert 0.15 < moved.mean() < 0.25 and np.bincount(a).min() > 900
     assert np.array_equal(owners(names, four[::-1]), 3 - a), "the owner depends on the order of the list"
     assert rendezvous(names[:3], four).shape == (3, 4)
+
+
+def test_owners_fit_the_nodes_caches_when_they_differ() -> None:
+    """Node 0's cache holds 0.1 D, the others' 0.4 D: node 0 keeps owning only what fits, the rest of
+    its share goes to nodes with room; no node owns more than its cache; nothing else moves."""
+    names = [f"shard-{i:06d}" for i in range(2000)]
+    sizes = np.full(len(names), 1000)
+    addrs = [f"10.0.0.{k}:7761" for k in range(4)]
+    base = owners(names, addrs, sizes)
+    d = int(sizes.sum())
+    budgets = [d // 10, 4 * d // 10, 4 * d // 10, 4 * d // 10]
+    fitted = fit(base, sizes, budgets, name_hashes(names), addrs)
+    load = np.bincount(fitted, weights=sizes, minlength=4)
+    assert all(load <= budgets) and load[0] >= budgets[0] - 1000
+    assert np.all(fitted[base != 0] == base[base != 0]), "a shard of a node with room moved"
+    assert np.array_equal(fit(base, sizes, [d] * 4, name_hashes(names), addrs), base)  # room everywhere: unchanged
 
 
 def test_addresses_and_token_are_exchanged_through_the_jobs_store() -> None:

@@ -11,7 +11,8 @@ Endpoints (every request signed, ``datacache.peer.auth``; 401/403 and no byte ot
   a process of the node registers how, ``register``) and serves it; the headers go out at once with
   ``X-Datacache-Fetching: 1``, so the asker tells a busy owner from a dead one.
 - ``GET /v1/held/<dataset id>``: the shards of the dataset the node holds now, as sorted
-  little-endian uint64 name ids (``placement.name_hashes``; 8 bytes a shard, capped).
+  little-endian uint64 name ids (``placement.name_hashes``; 8 bytes a shard, capped), and the
+  node cache's configured size (``X-Datacache-Budget``: owners are fitted to it, ``placement.fit``).
 
 Every ``REPAIR_S`` seconds the server fetches back, from the peers holding them, the shards its
 node owns but lacks (``Servable.repair``: stand-ins left on other nodes while it was not up).
@@ -47,7 +48,7 @@ from ..manifest import validate_shard_name
 from .auth import HEADER, Signer, check
 from .membership import Membership
 from .placement import name_hashes
-from .wire import CHUNK, FETCHING, MAX_HELD
+from .wire import BUDGET, CHUNK, FETCHING, MAX_HELD
 
 __all__ = ["PeerServer", "Servable", "register", "serve"]
 
@@ -242,7 +243,9 @@ class PeerServer:
             raise web.HTTPBadRequest(text="datacache peer: bad dataset id")
         names = await self._run(self._held_names, ds)
         ids = np.sort(name_hashes(names[:MAX_HELD])).astype("<u8")
-        return web.Response(body=ids.tobytes(), content_type="application/octet-stream")
+        budget = int(self.cache.config.ram_bytes) + int(self.cache.config.ssd_bytes)
+        return web.Response(body=ids.tobytes(), content_type="application/octet-stream",
+                            headers={BUDGET: str(budget)})
 
     def _held_names(self, ds: str) -> list[str]:
         prefix = f"{ds}/"

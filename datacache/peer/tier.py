@@ -42,7 +42,7 @@ from ..errors import ReadCancelledError
 from .auth import Signer
 from .client import PeerCorrupt, PeerFailed, get_shard, held, runtime
 from .membership import Membership
-from .placement import name_hashes, owners, rendezvous
+from .placement import fit, name_hashes, owners, rendezvous
 
 if TYPE_CHECKING:
     from ..cache.node import NodeCache
@@ -80,13 +80,14 @@ class PeerTier:
         self._refresh: asyncio.Future[None] | None = None
         self._down: dict[str, float] = {}
         self._answered: set[str] = set()  # peers that answered a summary request once
+        self.budgets: dict[str, int] = {}  # address -> the node cache's configured bytes, as its server said
 
     def __repr__(self) -> str:
         return f"PeerTier({self.dataset}, peers={list(self.membership.peers)}, me={self.membership.me})"
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_refresh=None, _held={}, _held_at=-1e9, _down={}, _answered=set())
+        state.update(_refresh=None, _held={}, _held_at=-1e9, _down={}, _answered=set(), budgets={})
         return state
 
     def owned(self) -> np.ndarray:
@@ -118,6 +119,17 @@ class PeerTier:
                     return silent
                 await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         return runtime().call(wait())
+
+    def fit_owners(self, own_budget: int) -> bool:
+        """Refit the owners to the nodes' cache sizes (``placement.fit``) once every node of the job
+        has told its own (``join``); whether it did. Every node computes the same from the same
+        sizes; a node that did not answer leaves the owners as they were."""
+        m = self.membership
+        budgets = [own_budget if k == m.me else self.budgets.get(a) for k, a in enumerate(m.peers)]
+        if m.me < 0 or any(b is None for b in budgets):
+            return False
+        self.owner = fit(self.owner, self.sizes, [int(b) for b in budgets if b is not None], self.ids, m.peers)
+        return True
 
     def held_elsewhere(self, shards: Sequence[int]) -> list[int]:
         """Those of ``shards`` some peer holds now (its summary at most ``HELD_TTL`` seconds old)."""
@@ -175,9 +187,11 @@ class PeerTier:
         asks = [(m.peers[k], self._signer) for k in m.others] + [(a, self._ro_signer) for a in m.readonly]
         got = await asyncio.gather(*(held(rt, self.cfg, s, a, self.dataset) for a, s in asks), return_exceptions=True)
         now = time.monotonic()
-        for (addr, _), ids in zip(asks, got):  # a peer not up yet holds nothing (and is asked again later)
-            self._held[addr] = np.zeros(0, dtype=np.uint64) if isinstance(ids, BaseException) else ids
-            if not isinstance(ids, BaseException) or (isinstance(ids, PeerFailed) and ids.status is not None):
+        for (addr, _), ans in zip(asks, got):  # a peer not up yet holds nothing (and is asked again later)
+            self._held[addr] = np.zeros(0, dtype=np.uint64) if isinstance(ans, BaseException) else ans[0]
+            if not isinstance(ans, BaseException) and ans[1] is not None:
+                self.budgets[addr] = ans[1]
+            if not isinstance(ans, BaseException) or (isinstance(ans, PeerFailed) and ans.status is not None):
                 self._answered.add(addr)
         self._held_at = now
 

@@ -5,7 +5,9 @@ sources, what the node keeps for the job, and its figures.
   ``PeerTier`` whose owners follow the plan (node-sticky placement: a shard's owner is the node that
   reads it, ``plan.node_assign``, so nothing is kept twice; global placement: rendezvous hashing),
   register the sources with this process's server, start the node's server (``serve``: once per
-  node; never in a DataLoader worker), and wait for the other nodes' servers (``PeerConfig.join_timeout``).
+  node; never in a DataLoader worker), wait for the other nodes' servers (``PeerConfig.join_timeout``)
+  and fit the owners to the nodes' cache sizes they report (``datacache.peer.placement.fit``; a
+  single dataset: the streams of a mix share the caches).
 - ``owned_keys``: the cache keys this node keeps for the job (``tell_plan(owned=...)``).
 - ``with_cluster_times``: a node schedule with the next uses, anywhere in the job, of the shards this
   node owns but does not read itself (global placement): the cache ranks them by when a peer needs them.
@@ -64,6 +66,9 @@ def attach(sources: Sequence[ShardSource], cfg: PeerConfig | None, dist: DistInf
         if silent:
             log.warning("datacache: peers %s did not answer within %.0f s (PeerConfig.join_timeout); their shards "
                         "come from elsewhere until they do", ", ".join(silent), cfg.join_timeout)
+        tier = sources[0].peers
+        if len(sources) == 1 and tier is not None:  # owners fitted to the cache sizes the nodes reported
+            tier.fit_owners(int(sources[0].cache.config.ram_bytes) + int(sources[0].cache.config.ssd_bytes))
     return membership
 
 
