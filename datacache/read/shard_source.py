@@ -268,8 +268,10 @@ class ShardSource:
         return self.fetch(shard, priority=priority, use_at=use_at, cancelled=cancelled)
 
     def _partial(self, shard: int) -> PartialShard | None:
-        """This process's handle on shard ``shard``'s partial copy (None: cached, or no layout)."""
-        if self.fmt.layout is None or shard in self._whole or self.cache.contains(self.key(shard)) is not None:
+        """This process's handle on shard ``shard``'s partial copy (None: cached, no layout, or the
+        peer tier is on: whole shards through it, so each crosses the store link once for the job)."""
+        if self.fmt.layout is None or shard in self._whole or self.peers is not None or \
+                self.cache.contains(self.key(shard)) is not None:
             return None
         with self._partials_lock:
             if self._partials_pid != os.getpid():  # a forked child: the parent's handles are not ours
