@@ -7,7 +7,8 @@ counted on the wire, as the store's are at the store's link).
   nodes as read-only peers, reads <= 1 % of D from the store in its first epoch; in its second, one
   of the first job's nodes is killed mid-epoch and its cache removed: the epoch completes exactly once;
 - node-sticky, 3 -> 4 nodes: the joining node's share comes from the other nodes' caches, the store
-  answers <= 1 % of D.
+  answers <= 1 % of D; the joining node's cache (0.1 D) is smaller than its share (0.25 D) and the
+  others have room: its second epoch reads <= 1 % of D from the store too.
 """
 from __future__ import annotations
 
@@ -134,7 +135,8 @@ def test_global_placement_a_second_job_and_a_killed_peer(s3_server: Any, slowlin
 def test_a_joining_node_takes_its_share_from_the_peers(s3_server: Any, slowlink: Any, tmp_path: Path) -> None:
     """A 3-node run fills nodes 0-2's caches with their shares (read here, one node after the other,
     as its nodes would); the 4-node run that follows, with the peer tier, reads node 3's share from
-    them."""
+    them. Node 3's cache holds 0.1 D, less than its share (0.25 D): the others, with room, own the
+    rest of its share, so its second epoch too reads nothing from the store."""
     url, m = _dataset(s3_server)
     d = m.total_bytes
     store = slowlink()
@@ -151,11 +153,17 @@ def test_a_joining_node_takes_its_share_from_the_peers(s3_server: Any, slowlink:
     four = Nodes(4)
     try:
         job = Job(tmp_path, "four", store, _base(url, s3_server, store, int(0.5 * d), four, "t" * 32), dirs,
-                  per_node=1, epochs=[0])
+                  per_node=1, epochs=[0, 1], ram_by_node=[int(0.5 * d)] * 3 + [int(0.1 * d)])
         manifest = open_store(url, s3_server.storage_options()).size(MANIFEST_NAME)  # each rank reads it once
-        after = job.run()[0]["bytes_down"] - cold - 4 * manifest
+        snaps = job.run()
+        after = snaps[0]["bytes_down"] - cold - 4 * manifest
+        second = snaps[1]["bytes_down"] - snaps[0]["bytes_down"]
         exactly_once(job.ids(0), N)
+        exactly_once(job.ids(1), N)
         joined = job.stats(0, 3)
+        small = job.stats(1, 3)
+        print(f"node 3 (cache 0.1 D) owns {small['owned_bytes']} B of its share; its second epoch: store {second} B")
+        assert small["owned_bytes"] <= 0.1 * d and second <= 0.01 * d
         print(f"\nnode-sticky 3 -> 4 nodes: D = {d} B, store {cold} B then {after} B; the new node's bytes: "
               f"{joined['peers_bytes_from_peers']} B from peers, {joined['peers_bytes_from_store']} B from the store, "
               f"peer links {four.bytes()} B")

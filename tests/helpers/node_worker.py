@@ -1,5 +1,6 @@
-"""One rank of one "node" in tests/test_multinode.py: a process started with the launcher variables
-(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) set by the test, reading through its node's cache.
+"""One rank of one "node" in tests/test_multinode.py and tests/test_peers_nodes.py: a process started
+with the launcher variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) set by the test,
+reading through its node's cache.
 
 Reads a JSON config (argv[1]): url, storage_options, ram_dir, ssd_dir, ram_bytes, ssd_bytes, seed,
 epochs (list), num_workers, out_dir; optional resume (path of a state, or of a list of every old
@@ -9,12 +10,12 @@ num_workers=0, else that of a StatefulDataLoader, saved in its workers; n a mult
 payload_size (samples are ``tests.helpers.faults`` samples: check every sample's bytes) and
 persistent_workers (one DataLoader for every epoch, its workers kept, as training jobs run; not
 with stop) and lockstep (a TCP port: the ranks join a gloo process group there and all-reduce
-once per batch, as data-parallel training does, so no rank runs ahead of the others) and placement
-and peers (``PeerConfig`` keywords; ``binds``, a list by node rank, gives each node its ``bind``)
-and pause ([epoch, n]: after n samples of that epoch write ``paused{e}_rank{r}`` and wait for the
-test's ``resume{e}``) and linger (after the last epoch, wait for the test's ``exit`` file: the
-node's peer server stays up for another job). Per epoch it
-writes the sample ids it got to ``out_dir/epoch{e}_rank{r}.json`` and its node cache's stats to
+once per batch, as data-parallel training does, so no rank runs ahead of the others) and
+ram_by_node (each node's ram_bytes) and placement and peers (``PeerConfig`` keywords; ``binds``,
+a list by node rank, gives each node its ``bind``) and pause ([epoch, n]: after n samples of that
+epoch write ``paused{e}_rank{r}`` and wait for the test's ``resume{e}``) and linger (after the last
+epoch, wait for the test's ``exit`` file: the node's peer server stays up for another job). Per
+epoch it writes the sample ids it got to ``out_dir/epoch{e}_rank{r}.json`` and its node cache's stats to
 ``stats{e}_rank{r}.json`` (with ``bad``: the samples whose bytes were wrong), then waits for the
 test's ``go{e}`` file (so the test reads the proxy's counters between epochs).
 """
@@ -73,11 +74,11 @@ def main() -> int:
     with open(sys.argv[1]) as f:
         cfg = json.load(f)
     rank, out = int(os.environ["RANK"]), cfg["out_dir"]
-    cache = CacheConfig(ram_bytes=cfg["ram_bytes"], ssd_bytes=cfg["ssd_bytes"], ram_dir=cfg["ram_dir"],
-                        ssd_dir=cfg["ssd_dir"])
+    node = rank // int(os.environ["LOCAL_WORLD_SIZE"])
+    ram = cfg["ram_by_node"][node] if cfg.get("ram_by_node") else cfg["ram_bytes"]
+    cache = CacheConfig(ram_bytes=ram, ssd_bytes=cfg["ssd_bytes"], ram_dir=cfg["ram_dir"], ssd_dir=cfg["ssd_dir"])
     peers = None
     if cfg.get("peers") is not None:
-        node = rank // int(os.environ["LOCAL_WORLD_SIZE"])
         binds = cfg.get("binds")
         peers = PeerConfig(**cfg["peers"], **({"bind": binds[node]} if binds else {}))
     ds = StreamingDataset(cfg["url"], storage_options=cfg["storage_options"], cache=cache, seed=cfg["seed"],
