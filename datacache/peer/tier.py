@@ -81,14 +81,21 @@ class PeerTier:
         self._down: dict[str, float] = {}
         self._answered: set[str] = set()  # peers that answered a summary request once
         self.budgets: dict[str, int] = {}  # address -> the node cache's configured bytes, as its server said
+        self._pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"PeerTier({self.dataset}, peers={list(self.membership.peers)}, me={self.membership.me})"
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_refresh=None, _held={}, _held_at=-1e9, _down={}, _answered=set(), budgets={})
+        state.update(_refresh=None, _held={}, _held_at=-1e9, _down={}, _answered=set(), budgets={}, _pid=-1)
         return state
+
+    def _loop_state(self) -> None:
+        """In a forked child, forget the parent's loop-bound state (a refresh in flight at the fork
+        belongs to the parent's loop); the summaries are asked again."""
+        if self._pid != os.getpid():
+            self._pid, self._refresh, self._held_at, self._down = os.getpid(), None, -1e9, {}
 
     def owned(self) -> np.ndarray:
         """Indices of the shards this node owns."""
@@ -103,6 +110,7 @@ class PeerTier:
         ``store_fetch=None``: from a peer that holds it or nothing (``PeerFailed``)."""
         if store_fetch is not None and not self.membership.others and not self.membership.readonly:
             return self._store_only(shard, path, store_fetch, cancelled)
+        self._loop_state()
         return runtime().call(self._fetch(shard, path, store_fetch, cancelled or (lambda: False)))
 
     def join(self, timeout: float) -> list[str]:
@@ -118,6 +126,7 @@ class PeerTier:
                 if not silent or time.monotonic() >= deadline:
                     return silent
                 await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        self._loop_state()
         return runtime().call(wait())
 
     def fit_owners(self, own_budget: int) -> bool:
@@ -138,6 +147,7 @@ class PeerTier:
             peers = [a for a in (*self.membership.peers, *self.membership.readonly)
                      if a not in self.membership.peers[self.membership.me:self.membership.me + 1]]
             return [i for i in shards if any(self._holds(a, self.ids[i]) for a in peers)]
+        self._loop_state()
         return runtime().call(ask()) if shards else []
 
     def _store_only(self, shard: int, path: str, store_fetch: StoreFetch, cancelled: Callable[[], bool] | None) -> str:
