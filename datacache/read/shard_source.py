@@ -33,6 +33,7 @@ from ..cache.partial import PartialGone, PartialShard
 from ..config import CacheConfig, RetryConfig, TransferConfig
 from ..errors import IntegrityError, NotFoundError, ReaderError
 from ..manifest import Manifest, load_manifest
+from ..peer.tier import PeerTier
 from ..readers import ReaderError as ShardReaderError
 from ..readers import RefusedContentError, get_format
 from ..store.storage import Store, open_store
@@ -49,18 +50,25 @@ def make_cache(cache: CacheConfig | NodeCache | None) -> NodeCache:
     return cache if isinstance(cache, NodeCache) else NodeCache(cache or CacheConfig())
 
 
-def tell_plan(cache: NodeCache, schedule: Schedule | None) -> Schedule | None:
+def tell_plan(cache: NodeCache, schedule: Schedule | None,
+              owned: Mapping[str, frozenset[str]] | None = None) -> Schedule | None:
     """Tell ``cache`` the node's future reads of ``schedule``'s dataset: with a clairvoyant cache
     (``policy`` other than "lru") it evicts and admits by the next uses of every dataset in use on
     the node (``NodePolicy``: the schedules told in this process, one per dataset, and those other
-    processes published next to the cache). Returns the schedule in force (None for
-    an LRU cache, or when there is no schedule), which the reader then ``advance``s."""
-    if schedule is None or cache.config.policy == "lru":
+    processes published next to the cache). ``owned``: with the peer tier, the keys of each dataset
+    this node keeps for the job (``NodePolicy.tell_owned``: its other cached keys, copies a peer
+    also holds, go first). Returns the schedule in force (None for an LRU cache, or when there is
+    no schedule), which the reader then ``advance``s."""
+    if cache.config.policy == "lru" or (schedule is None and not owned):
         return None
     policy = cache.policy
     if not isinstance(policy, NodePolicy):
         policy = NodePolicy.for_cache(cache)
         cache.set_policy(policy)
+    for dataset, keys in (owned or {}).items():
+        policy.tell_owned(dataset, keys)
+    if schedule is None:
+        return None
     policy.tell(schedule)
     return schedule
 
@@ -78,6 +86,8 @@ class ShardSource:
         self.store, self.manifest, self.cache = store, manifest, cache
         self.reader_options = manifest.reader_options(reader_options)
         self.fmt = get_format(manifest.format)
+        self.peers: PeerTier | None = None  # the peer tier (``datacache.read.peers.attach``)
+        self._by_name: dict[str, int] | None = None
         self._init_parts()
 
     def _init_parts(self) -> None:
@@ -124,7 +134,8 @@ class ShardSource:
     # ------------------------------------------------------------------ fetch
     def fetch(self, shard: int, *, priority: float | None = None, use_at: float | None = None,
               into: str | None = None, on_bytes: Callable[[int], None] | None = None,
-              on_fetch: Callable[[], None] | None = None, cancelled: Callable[[], bool] | None = None) -> CacheHandle:
+              on_fetch: Callable[[], None] | None = None, cancelled: Callable[[], bool] | None = None,
+              via_peers: bool = True, peers_only: bool = False) -> CacheHandle:
         """Shard number ``shard``, pinned in the node cache, downloaded on a miss.
 
         ``priority``: lower is sooner, for the store's request slots (the plan position);
@@ -132,13 +143,14 @@ class ShardSource:
         ``into``: fill a miss into this tier only (see ``NodeCache.get``); ``on_bytes(n)``: called
         as bytes arrive; ``on_fetch()``: called when this call downloads (a miss it serves);
         ``cancelled()``: true abandons the download at once (``ReadCancelledError``, nothing cached).
+        With the peer tier (``peers``) a miss asks the peers first (``datacache.peer.tier``);
+        ``via_peers=False``: the store only; ``peers_only``: a peer that holds it, or
+        ``datacache.peer.client.PeerFailed`` (``repair``).
         """
         info = self.manifest.shards[shard]
 
-        def download(path: str) -> None:
-            if on_fetch is not None:
-                on_fetch()
-            kw: dict[str, Any] = {"size": info.bytes, "cancelled": cancelled}
+        def from_store(path: str, stop: Callable[[], bool] | None = cancelled) -> None:
+            kw: dict[str, Any] = {"size": info.bytes, "cancelled": stop}
             if priority is not None:
                 kw["priority"] = priority
             if on_bytes is not None:
@@ -148,6 +160,15 @@ class ShardSource:
             except NotFoundError as exc:  # not the store's generic hint: the manifest names this shard
                 raise self._missing(shard) from exc
 
+        def download(path: str) -> None:
+            if on_fetch is not None:
+                on_fetch()
+            if self.peers is None or not via_peers:
+                return from_store(path)
+            if self.peers.fetch_into(shard, path, None if peers_only else from_store, cancelled) == "peer" \
+                    and on_bytes is not None:
+                on_bytes(info.bytes)
+
         try:
             return self.cache.get(self.key(shard), download, size=info.bytes, hash=info.hash, use_at=use_at,
                                   into=into)
@@ -155,6 +176,49 @@ class ShardSource:
             if exc.url is not None:
                 raise
             raise self._with_url(shard, exc) from exc
+
+    # ------------------------------------------------------------------ serving peers (datacache.peer.server)
+    def _shard_named(self, name: str, digest: str) -> int | None:
+        if self._by_name is None:
+            self._by_name = {s.name: i for i, s in enumerate(self.manifest.shards)}
+        i = self._by_name.get(name)
+        return i if i is not None and self.manifest.shards[i].hash == digest else None
+
+    def size_of(self, name: str, digest: str) -> int | None:
+        """The bytes of shard ``name`` if it has hash ``digest``, else None."""
+        i = self._shard_named(name, digest)
+        return None if i is None else self.manifest.shards[i].bytes
+
+    def fetch_for_peer(self, name: str, digest: str) -> CacheHandle:
+        """Shard ``name`` (hash ``digest``), pinned: what this node's server downloads for the job as
+        the shard's owner, from the node cache, a peer that holds a copy (never another owner: this
+        node is the owner), or the store."""
+        i = self._shard_named(name, digest)
+        if i is None:
+            raise KeyError(name)
+        return self.fetch(i, via_peers=self.peers is not None and int(self.peers.owner[i]) == self.peers.membership.me)
+
+    def repair(self, limit: int = 16) -> int:
+        """Fetch up to ``limit`` shards this node owns but does not hold from peers that hold them
+        (stand-ins, ``datacache.peer.tier``; never from the store), into free room only; how many
+        came. What the node's server does every few seconds, so the job's copies end up with their
+        owners."""
+        tier = self.peers
+        if tier is None or tier.membership.me < 0:
+            return 0
+        missing = [i for i in tier.owned().tolist() if self.cache.contains(self.key(i)) is None]
+        room, done = sum(self.cache.room().values()), 0
+        for i in tier.held_elsewhere(missing):
+            size = self.manifest.shards[i].bytes
+            if done >= limit or size > room:
+                break
+            try:
+                self.fetch(i, peers_only=True).release()
+            except Exception as exc:  # noqa: BLE001 - a repair is best effort: the holder is gone, say
+                log.debug("datacache: repair of %s failed: %s", self.url(i), exc)
+                continue
+            room, done = room - size, done + 1
+        return done
 
     def _missing(self, shard: int) -> NotFoundError:
         """The error for a shard the manifest names and the store lacks."""
@@ -212,8 +276,10 @@ class ShardSource:
         return self.fmt.layout is not None and not self.reader_options.get("compression")
 
     def _partial(self, shard: int) -> PartialShard | None:
-        """This process's handle on shard ``shard``'s partial copy (None: cached, or no layout)."""
-        if not self.partial_reads or shard in self._whole or self.cache.contains(self.key(shard)) is not None:
+        """This process's handle on shard ``shard``'s partial copy (None: cached, no partial reads, or the
+        peer tier is on: whole shards through it, so each crosses the store link once for the job)."""
+        if not self.partial_reads or shard in self._whole or self.peers is not None or \
+                self.cache.contains(self.key(shard)) is not None:
             return None
         with self._partials_lock:
             if self._partials_pid != os.getpid():  # a forked child: the parent's handles are not ours
