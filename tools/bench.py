@@ -1,6 +1,6 @@
 """datacache against its peers on one emulated WAN link: ``python tools/bench.py --out DIR``.
 
-    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle,nodes,shuffle,mix]
+    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle,nodes,shuffle,mix,peers]
                           [--systems datacache,streaming,litdata,fsspec] [--variants default,tuned,matched,dropin,torch]
                           [--reps 3] [--storm 30] [--profile SCENARIO] [--readme README.md] --out DIR
 
@@ -41,6 +41,13 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
   1.5 x), a cold epoch then a warm one, through each system's mixing API: samples per stream
   against expected, remote bytes against the drawn samples' bytes (``tools/bench_mix.py``; its own
   table in the report).
+- peers: ``--nodes`` (4) simulated nodes as in nodes, ``placement="global"``, a RAM tier of 0.3 D
+  each, 3 epochs; every node's peer server behind a metering slow link of its own
+  (``--peer-bandwidth``, default 4 x ``--bandwidth``; ``--peer-latency``, 2 ms): store MB and peer
+  MB per epoch and each node's wall against its bound, datacache with the peer tier on, off
+  (``datacache+nopeers``), Streaming and LitData (``tools/bench_peers.py``; its own table). The
+  ``shuffle`` report puts the quality of global placement (this scenario) beside node-sticky
+  (the nodes scenario) when the run has them.
 
 Equal terms: every system gets the same batch size, DataLoader workers and
 ``persistent_workers=True``, each through its documented loader (``tools/bench_systems.py``); the
@@ -97,7 +104,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from datacache.config import parse_size  # noqa: E402
-from tools import bench_mix, bench_nodes, bench_report  # noqa: E402
+from tools import bench_mix, bench_nodes, bench_peers, bench_report  # noqa: E402
 from tools.bench_launch import Meter, launch, memcpy_rate  # noqa: E402
 from tools.bench_quality import pooled  # noqa: E402
 from tools.bench_text import describe_run  # noqa: E402
@@ -110,13 +117,14 @@ SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 # datacache's batched mode through a plain torch DataLoader (batch_size=None), run in TORCH only;
 # "window": datacache with node_shuffle="window" (its cold epoch through the sliding window, not
 # the default's part mix), run in MATCHED only
-VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "window"),
+# "nopeers": datacache with no peer tier configured, run in the peers scenario only (its "before")
+VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "window", "nopeers"),
             "streaming": ("default", "tuned", "match-datacache"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
 MATCHED = ("cold", "warm", "shuffle")
 DROPIN = ("warm",)
 TORCH = ("warm", "small", "raw")
-SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes", "shuffle", "mix")
+SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes", "shuffle", "mix", "peers")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -139,7 +147,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--small-batch-size", type=int, default=256)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--nodes", type=int, default=4, help="simulated nodes in the nodes scenario")
+    p.add_argument("--nodes", type=int, default=4, help="simulated nodes in the nodes and peers scenarios")
+    bench_peers.add_args(p)
     p.add_argument("--compute", type=float, default=0.02, help="simulated compute per batch, s")
     p.add_argument("--bandwidth", default="50MB", help="link bandwidth, bytes/s, shared by all connections")
     p.add_argument("--latency", type=float, default=0.02, help="per-request latency, s")
@@ -163,6 +172,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.shard_bytes = parse_size(a.shard_bytes or "16MB")
     a.sample_bytes, a.small_sample_bytes = parse_size(a.sample_bytes), parse_size(a.small_sample_bytes)
     a.bandwidth = float(parse_size(a.bandwidth))
+    a.peer_bandwidth = float(parse_size(a.peer_bandwidth)) if a.peer_bandwidth else None
     a.scenarios = [s for s in a.scenario.split(",") if s]
     a.system_list = [s for s in a.systems.split(",") if s]
     for s in a.scenarios:
@@ -195,12 +205,16 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
         sc["phases"] = ["cold", "warm"]  # from an empty cache, then from the cache it filled
     if name == "mix":
         sc["phases"], sc["dataset"] = list(bench_mix.PHASES), "mix"
+    if name == "peers":
+        sc.update(bench_peers.scenario_fields(a))
     return sc
 
 
 def runs_in(variant: str, scenario_name: str) -> bool:
     """Whether a variant runs in a scenario: match-* in MATCHED, dropin in DROPIN, torch in TORCH, the
-    mix default only."""
+    mix default only, nopeers in (and with the default only) the peers scenario."""
+    if scenario_name == "peers" or variant == "nopeers":
+        return scenario_name == "peers" and variant in ("default", "nopeers")
     if variant.startswith("match-") or variant == "window":
         return scenario_name in MATCHED
     if variant == "dropin":
@@ -262,7 +276,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     dc_D = ctx["datasets"][f"datacache/{sc['dataset']}"].get("bytes", D)
     if sc["name"] == "limited":
         sc["cache_bytes"] = dc_D // 2  # the same budget C for every system
-    if sc["name"] == "nodes":
+    if sc["name"] in ("nodes", "peers"):
         sc["cache_bytes"] = int(0.3 * dc_D)  # per node
     link = ctx["link"]
     cache_dir = f"/dev/shm/dcbench-{os.getpid()}-{ctx['counter']}"
@@ -296,8 +310,9 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     t0 = time.time()
     storm_done, storm, storm_timeline = storm_watch(link, sc, D)
     try:
-        res = launch("run", spec, path, timeout=a.run_timeout, ranks=sc["ranks"], wrap=wrap,
-                     nodes=sc.get("nodes", 1))
+        with bench_peers.around_run(sc, spec, ctx["meter"], system, variant):  # the peer links, if any
+            res = launch("run", spec, path, timeout=a.run_timeout, ranks=sc["ranks"], wrap=wrap,
+                         nodes=sc.get("nodes", 1))
     finally:
         storm_done.set()
         storm.join() if storm.is_alive() else None
@@ -322,6 +337,9 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
         common.update(bench_mix.record_part(info))
     if sc["name"] == "nodes":
         common.update(nodes=sc["nodes"], predicted_remote=_predicted_nodes(info, sc, ctx["server"].storage_options()))
+    if sc["name"] == "peers":
+        common.update(nodes=sc["nodes"], placement=sc["placement"], peer_bandwidth=sc["peer_bandwidth"],
+                      peer_latency=sc["peer_latency"], peer_configured=bool(spec.get("peer_env")))
     out = []
     for r in res["records"]:
         rec = {**base, **common, **r}
@@ -330,8 +348,10 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
             rec["rank_samples"] = [n[r["epoch"]] for n in res["rank_samples"]]
             rec["samples"] = sum(rec["rank_samples"])  # the node's
             rec["quality"] = pooled([q[r["epoch"]] for q in res["rank_quality"]])  # every rank's batches
+        if sc.get("nodes", 1) > 1 and "rank_extra" in res:
+            rec["rank_extra"] = [x[r["epoch"]] for x in res["rank_extra"]]
         out.append(rec)
-    return out
+    return bench_peers.finish(out) if sc.get("nodes", 1) > 1 else out
 
 
 def _predicted_nodes(info: dict[str, Any], sc: dict[str, Any], opts: dict[str, Any]) -> list[int] | None:
@@ -366,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     scs = [scenario(s, a) for s in a.scenarios]
     chosen = a.variants.split(",")
     variants = [(s, v) for s in a.system_list for v in VARIANTS[s]
-                if v == "default" or v in chosen or (v.startswith("match-") and "matched" in chosen)]
+                if v in ("default", "nopeers") or v in chosen or (v.startswith("match-") and "matched" in chosen)]
     jsonl = os.path.join(a.out, "results.jsonl")
     open(jsonl, "w").close()
     records: list[dict[str, Any]] = []

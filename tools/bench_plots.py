@@ -8,7 +8,8 @@ import os
 from collections import defaultdict
 from typing import Any
 
-ORDER = ("datacache", "datacache+dropin", "datacache+match-streaming", "datacache+match-litdata", "streaming",
+ORDER = ("datacache", "datacache+nopeers", "datacache+dropin", "datacache+match-streaming", "datacache+match-litdata",
+         "streaming",
          "streaming+tuned", "streaming+match-datacache", "litdata", "litdata+tuned", "fsspec")
 
 
