@@ -190,6 +190,8 @@ def finish(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     last: list[dict[str, Any] | None] = []
     for rec in sorted(records, key=lambda r: r.get("epoch", 0)):
         extra = rec.pop("rank_extra", None)
+        for key in RANK_KEYS:  # rank 0's own, also in ``extra``
+            rec.pop(key, None)
         if not extra or "n" not in rec:
             continue
         n = rec["n"]
