@@ -13,10 +13,11 @@ each node), ``datacache+nopeers`` (the same with nothing configured: the tier of
 and Streaming and LitData configured for several nodes as their docs say (``bench_nodes.loader_kwargs``
 and ``NNODES``); they have no peer tier and read everything from the store.
 
-How a node reaches the others' servers through their links: node ``k`` gets its own
-``DATACACHE_PEERS`` list whose entry ``k`` is its server's real address (it binds there: "node k
-serves on entry k") and whose entry ``j != k`` is node ``j``'s link, which forwards to node ``j``'s
-server. The lists differ only in that one entry; the token is one per run.
+How a node reaches the others' servers through their links: every node gets the same
+``DATACACHE_PEERS``, the links' addresses in node-rank order (entry ``j`` forwards to node ``j``'s
+server; the tier places shards by these addresses, so every node must see the same list), and
+``DATACACHE_PEER_BIND``, its own server's address behind its link (``PeerConfig.bind``: where the
+server listens when that is not its entry). The token is one per run.
 
 Figures, per epoch (``finish`` and ``summary``):
 
@@ -52,7 +53,7 @@ import numpy as np
 SCENARIO = "peers"
 PEER_FACTOR = 4.0  # the peer links' default bandwidth, x the store link's
 PEER_LATENCY = 0.002  # s per request on a peer link (one switch hop)
-ENV_PEERS, ENV_TOKEN = "DATACACHE_PEERS", "DATACACHE_PEER_TOKEN"
+ENV_PEERS, ENV_TOKEN, ENV_BIND = "DATACACHE_PEERS", "DATACACHE_PEER_TOKEN", "DATACACHE_PEER_BIND"
 STAT_KEYS = ("bytes_from_peers", "bytes_from_store", "bytes_served", "corrupt", "fallbacks", "hedged", "refused")
 
 
@@ -76,8 +77,8 @@ def tier_wanted(system: str, variant: str, sc: dict[str, Any]) -> bool:
 # ---------------------------------------------------------------- the links, per run
 class PeerLinks:
     """One metering slow link per simulated node, in front of that node's peer server (a free
-    loopback port chosen here, which the node binds). ``lists[k]`` is node ``k``'s
-    ``DATACACHE_PEERS``. Context manager; the links stop on exit."""
+    loopback port chosen here, which the node binds: ``binds[k]``). ``peers``: every node's
+    ``DATACACHE_PEERS`` (the links). Context manager; the links stop on exit."""
 
     def __init__(self, nodes: int, bandwidth: float, latency: float) -> None:
         from tools.bench_launch import _free_port
@@ -96,12 +97,12 @@ class PeerLinks:
             link.stop()
 
     @property
-    def lists(self) -> list[str]:
-        out = []
-        for k in range(len(self.servers)):
-            out.append(",".join(f"127.0.0.1:{self.servers[j]}" if j == k else f"127.0.0.1:{link.port}"
-                                for j, link in enumerate(self.links)))
-        return out
+    def peers(self) -> str:
+        return ",".join(f"127.0.0.1:{link.port}" for link in self.links)
+
+    @property
+    def binds(self) -> list[str]:
+        return [f"127.0.0.1:{port}" for port in self.servers]
 
     def snapshot(self) -> dict[str, Any]:
         """The links' counters for the runner's meter: the sum and each node's link's bytes."""
@@ -114,13 +115,13 @@ class PeerLinks:
 def around_run(sc: dict[str, Any], spec: dict[str, Any], meter: Any, system: str, variant: str) -> Iterator[None]:
     """For the peers scenario: the peer links of one run, metered through ``meter`` (every system
     gets them, so every system's records carry peer bytes, 0 without a tier), and for datacache's
-    default variant the per-node peer lists and token in ``spec``. Elsewhere: nothing."""
+    default variant the peer list, each node's bind address and the token in ``spec``. Elsewhere: nothing."""
     if sc.get("name") != SCENARIO:
         yield
         return
     with PeerLinks(sc["nodes"], float(sc["peer_bandwidth"]), float(sc["peer_latency"])) as links:
         if tier_wanted(system, variant, sc):
-            spec["peer_env"] = {"lists": links.lists, "token": secrets.token_hex(16)}
+            spec["peer_env"] = {"peers": links.peers, "binds": links.binds, "token": secrets.token_hex(16)}
         meter.extra = links.snapshot
         try:
             yield
@@ -129,13 +130,15 @@ def around_run(sc: dict[str, Any], spec: dict[str, Any], meter: Any, system: str
 
 
 def node_env(spec: dict[str, Any]) -> None:
-    """In a node's runner process, before the dataset is made: this node's peer list and the token,
-    or neither (a variable inherited from the bench's own environment is removed: the tier off)."""
-    for name in (ENV_PEERS, ENV_TOKEN):
+    """In a node's runner process, before the dataset is made: the peer list, this node's bind
+    address and the token, or none of them (one inherited from the bench's own environment is
+    removed: the tier off)."""
+    for name in (ENV_PEERS, ENV_TOKEN, ENV_BIND):
         os.environ.pop(name, None)
     peer = spec.get("peer_env")
     if peer:
-        os.environ[ENV_PEERS] = peer["lists"][int(os.environ.get("BENCH_NODE", "0"))]
+        os.environ[ENV_PEERS] = peer["peers"]
+        os.environ[ENV_BIND] = peer["binds"][int(os.environ.get("BENCH_NODE", "0"))]
         os.environ[ENV_TOKEN] = peer["token"]
 
 
