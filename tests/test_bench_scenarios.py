@@ -92,16 +92,26 @@ def test_bench_peers_scenario_tiny(tmp_path: Path) -> None:
     and with nothing configured (nopeers). Every epoch reads every sample exactly once over the
     nodes; the cold epoch takes at least D from the store; the peer links' bytes add up and stay 0
     without a tier; global placement without peers goes back to the store after the first epoch
-    (the issue's "before"), and with the tier (where this build has one) it does not."""
+    (the issue's "before"), and with the tier (where this build has one) it does not. The shuffle
+    scenario's placement variants (4 nodes, node-sticky and global, a cold and a warm epoch) put
+    the shuffle quality of the two placements side by side."""
     import datacache
 
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--systems", "datacache",
-           "--scenario", "peers", "--nodes", "4", "--size", "4MB", "--shard-bytes", "128KB", "--sample-bytes",
-           "16KiB", "--bandwidth", "200MB", "--latency", "0.002", "--compute", "0.001", "--out", str(out)]
+           "--scenario", "peers,shuffle", "--variants", "placement", "--nodes", "4", "--size", "4MB",
+           "--shard-bytes", "128KB", "--sample-bytes", "16KiB", "--bandwidth", "200MB", "--latency", "0.002",
+           "--compute", "0.001", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    shuffle = {r["system"]: r for r in lines if r["scenario"] == "shuffle" and r["phase"] == "warm"}
+    lines = [r for r in lines if r["scenario"] == "peers"]
+    assert set(shuffle) == {"datacache", "datacache+node-sticky", "datacache+global"}
+    sticky, spread = shuffle["datacache+node-sticky"], shuffle["datacache+global"]
+    assert sticky["placement"] == "node" and spread["placement"] == "global" and sticky["nodes"] == 4
+    assert sticky["exactly_once"] and spread["exactly_once"] and sticky["remote_bytes"] == 0
+    assert [round(c, 2) for c in sticky["coverage"]] == [0.25] * 4 < spread["coverage"]  # the same share again
     runs: dict[str, list[dict]] = {}
     for r in lines:
         runs.setdefault(r["system"], []).append(r)
@@ -130,6 +140,8 @@ def test_bench_peers_scenario_tiny(tmp_path: Path) -> None:
     report = (out / "results.md").read_text()
     assert "## peers" in report and "| datacache+nopeers | 1 | 3 |" in report
     assert "each node's wall / bound (best-worst)" in report and "datacache's targets: " in report
+    assert "| node-sticky (default) | datacache+node-sticky (shuffle) | 1 | 4 |" in report
+    assert "| global | datacache+global (shuffle) | 1 | 4 |" in report
     from tools.bench_text import BEGIN, END
 
     (tmp_path / "README.md").write_text(f"# x\n{BEGIN}\n{END}\n")

@@ -117,8 +117,10 @@ SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 # datacache's batched mode through a plain torch DataLoader (batch_size=None), run in TORCH only;
 # "window": datacache with node_shuffle="window" (its cold epoch through the sliding window, not
 # the default's part mix), run in MATCHED only
-# "nopeers": datacache with no peer tier configured, run in the peers scenario only (its "before")
-VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "window", "nopeers"),
+# "nopeers": datacache with no peer tier configured, run in the peers scenario only (its "before");
+# "node-sticky" / "global": datacache on --nodes simulated nodes with that placement, in shuffle only
+VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "window", "nopeers",
+                          "node-sticky", "global"),
             "streaming": ("default", "tuned", "match-datacache"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
 MATCHED = ("cold", "warm", "shuffle")
@@ -133,11 +135,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="160 MB (small: 20 MB), 1 rep: about 5 minutes")
     p.add_argument("--scenario", default=",".join(SCENARIOS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--variants", default="default,tuned,matched,dropin,torch,window",
+    p.add_argument("--variants", default="default,tuned,matched,dropin,torch,window,placement",
                    help="settings to run: default, tuned, matched (the match-* variants, in cold, warm, shuffle), "
                         "dropin (datacache over samples through torch's DataLoader, in warm), torch (datacache's "
                         "batched mode through torch's DataLoader, in warm, small, raw), window (datacache's cold epoch "
-                        "through the sliding window, in cold, warm, shuffle)")
+                        "through the sliding window, in cold, warm, shuffle), placement (datacache on --nodes "
+                        "nodes, node-sticky and global placement, in shuffle)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
     p.add_argument("--size", help="dataset size (default 500MB; 160MB with --quick)")
     p.add_argument("--small-size", help="1 KiB-sample dataset size (default 100MB; 20MB with --quick)")
@@ -215,6 +218,8 @@ def runs_in(variant: str, scenario_name: str) -> bool:
     mix default only, nopeers in (and with the default only) the peers scenario."""
     if scenario_name == "peers" or variant == "nopeers":
         return scenario_name == "peers" and variant in ("default", "nopeers")
+    if variant in bench_peers.PLACEMENTS:
+        return scenario_name == "shuffle"
     if variant.startswith("match-") or variant == "window":
         return scenario_name in MATCHED
     if variant == "dropin":
@@ -271,7 +276,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
         return [{**base, **why}]
     if sc.get("nodes", 1) > 1 and bench_nodes.unavailable(system):
         return [{**base, "unavailable": bench_nodes.unavailable(system)}]
-    sc = dict(sc)
+    sc = bench_peers.placement_variant(sc, variant, a.nodes)  # a copy
     D = info["bytes"]
     dc_D = ctx["datasets"][f"datacache/{sc['dataset']}"].get("bytes", D)
     if sc["name"] == "limited":
@@ -337,9 +342,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
         common.update(bench_mix.record_part(info))
     if sc["name"] == "nodes":
         common.update(nodes=sc["nodes"], predicted_remote=_predicted_nodes(info, sc, ctx["server"].storage_options()))
-    if sc["name"] == "peers":
-        common.update(nodes=sc["nodes"], placement=sc["placement"], peer_bandwidth=sc["peer_bandwidth"],
-                      peer_latency=sc["peer_latency"], peer_configured=bool(spec.get("peer_env")))
+    common.update(bench_peers.record_fields(sc, spec))
     out = []
     for r in res["records"]:
         rec = {**base, **common, **r}
@@ -386,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     scs = [scenario(s, a) for s in a.scenarios]
     chosen = a.variants.split(",")
     variants = [(s, v) for s in a.system_list for v in VARIANTS[s]
-                if v in ("default", "nopeers") or v in chosen or (v.startswith("match-") and "matched" in chosen)]
+                if v in ("default", "nopeers") or v in chosen or (v.startswith("match-") and "matched" in chosen)
+                or (v in bench_peers.PLACEMENTS and "placement" in chosen)]
     jsonl = os.path.join(a.out, "results.jsonl")
     open(jsonl, "w").close()
     records: list[dict[str, Any]] = []

@@ -69,6 +69,29 @@ def add_args(p: Any) -> None:
     p.add_argument("--peer-latency", type=float, default=PEER_LATENCY, help="peers scenario: s per peer request")
 
 
+PLACEMENTS = {"node-sticky": "node", "global": "global"}  # the shuffle scenario's multi-node variants
+
+
+def placement_variant(sc: dict[str, Any], variant: str, nodes: int) -> dict[str, Any]:
+    """A copy of scenario ``sc``; for a placement variant of the shuffle scenario (``PLACEMENTS``)
+    run on ``nodes`` simulated nodes with that placement (each node's cache as the scenario's)."""
+    sc = dict(sc)
+    if variant in PLACEMENTS:
+        sc.update(nodes=nodes, placement=PLACEMENTS[variant])
+    return sc
+
+
+def record_fields(sc: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """The fields a run's records carry for its placement and peer links."""
+    out: dict[str, Any] = {}
+    if sc.get("placement"):
+        out.update(nodes=sc["nodes"], placement=sc["placement"])
+    if sc.get("name") == SCENARIO:
+        out.update(peer_bandwidth=sc["peer_bandwidth"], peer_latency=sc["peer_latency"],
+                   peer_configured=bool(spec.get("peer_env")))
+    return out
+
+
 def tier_wanted(system: str, variant: str, sc: dict[str, Any]) -> bool:
     """Whether this run configures the peer tier: datacache's default variant in the peers scenario."""
     return sc.get("name") == SCENARIO and system == "datacache" and variant == "default"
@@ -351,32 +374,44 @@ def _tier_cell(recs: list[dict[str, Any]]) -> str:
 
 
 # ---------------------------------------------------------------- placement beside the shuffle scenario
+# (scenario, system, placement shown): the shuffle scenario's placement variants first
+PLACEMENT_SOURCES = (("shuffle", "datacache+node-sticky", "node-sticky (default)"),
+                     ("shuffle", "datacache+global", "global"), ("nodes", "datacache", "node-sticky (default)"),
+                     (SCENARIO, "datacache+nopeers", "global"),
+                     (SCENARIO, "datacache", "global, peer tier on"))
+
+
 def placement_table(records: list[dict[str, Any]]) -> str:
-    """datacache's shuffle quality on several nodes, node-sticky (the ``nodes`` scenario, the
-    default placement) beside global (the ``peers`` scenario's datacache runs), per epoch: the
-    quality of every rank's batches pooled (``tools/bench_quality.py``) and the share of the
-    dataset each node has seen by the end of the epoch (mean over nodes). "" when neither ran."""
+    """datacache's shuffle quality on several nodes, node-sticky (the default placement) beside
+    global, per epoch: the quality of every rank's batches pooled (``tools/bench_quality.py``),
+    the share of the dataset each node has seen by the end of the epoch (mean over nodes) and the
+    store's MB; from the shuffle scenario's placement variants (and the nodes and peers scenarios
+    where the run has them). "" when none ran."""
     rows = []
-    for scenario, label in (("nodes", "node-sticky (default)"), (SCENARIO, "global")):
-        for system in ("datacache", "datacache+nopeers"):
-            reps = [rs for rs in _runs(records, scenario).get(system, []) if _failed(rs) is None]
-            if not reps:
-                continue
-            epochs = min(len(rs) for rs in reps)
-            q = " / ".join(f"{_median([rs[e].get('quality') or 0.0 for rs in reps]):.2f}" for e in range(epochs))
-            cov = " / ".join(
-                f"{_median([statistics.mean(rs[e]['coverage']) for rs in reps if rs[e].get('coverage')]):.2f}"
-                for e in range(epochs))
-            rows.append(f"| {label} | {system} | {scenario} | {len(reps)} | {q} | {cov} |")
+    for scenario, system, label in PLACEMENT_SOURCES:
+        reps = [rs for rs in _runs(records, scenario).get(system, []) if _failed(rs) is None]
+        if not reps:
+            continue
+        epochs = min(len(rs) for rs in reps)
+
+        def per_epoch(fig: Any, fmt: str) -> str:
+            return " / ".join(format(_median([fig(rs[e]) for rs in reps]), fmt) for e in range(epochs))  # noqa: B023
+        q = per_epoch(lambda r: r.get("quality") or 0.0, ".2f")
+        cov = per_epoch(lambda r: statistics.mean(r.get("coverage") or [float("nan")]), ".2f")
+        mb = per_epoch(lambda r: r["remote_bytes"] / 1e6, ".1f")
+        rows.append(f"| {label} | {system} ({scenario}) | {len(reps)} | {reps[0][0].get('nodes', '?')} | {q} | {cov} "
+                    f"| {mb} |")
     if not rows:
         return ""
-    return ("Placement on several nodes (datacache; from the `nodes` and `peers` scenarios of the same run): "
-            "quality of every rank's batches pooled, per epoch, and the share of the dataset a node's ranks have "
-            "seen by the end of each epoch (mean over nodes). Node-sticky placement keeps each node on its own "
-            "shards (the same share every epoch); global placement reshuffles all shards over all nodes.\n\n"
-            "| placement | system | scenario | n | quality per epoch | dataset seen per node, by epoch |\n"
-            "|---|---|---|---|---|---|\n" + "\n".join(rows))
+    return ("Placement on several nodes (datacache, each node one rank process with its workers): the quality of "
+            "every rank's batches pooled, the share of the dataset a node's ranks have seen by the end of each "
+            "epoch (mean over nodes) and the store's MB, per epoch (shuffle: cold / warm). Node-sticky placement "
+            "keeps each node on its own shards (the same share every epoch); global placement reshuffles all "
+            "shards over all nodes.\n\n"
+            "| placement | system (scenario) | n | nodes | quality per epoch | dataset seen per node, by epoch "
+            "| store MB per epoch |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows))
 
 
-__all__ = ["PeerLinks", "around_run", "checks", "dataset_kwargs", "finish", "ids_bits", "node_env",
-           "peer_delta", "peer_stats", "placement_table", "report", "scenario_fields", "summary"]
+__all__ = ["PLACEMENTS", "PeerLinks", "around_run", "checks", "dataset_kwargs", "finish", "ids_bits", "node_env",
+           "peer_delta", "peer_stats", "placement_table", "placement_variant", "record_fields", "report",
+           "scenario_fields", "summary"]

@@ -9,7 +9,7 @@ from collections import defaultdict
 from typing import Any
 
 ORDER = ("datacache", "datacache+nopeers", "datacache+dropin", "datacache+match-streaming", "datacache+match-litdata",
-         "streaming",
+         "datacache+node-sticky", "datacache+global", "streaming",
          "streaming+tuned", "streaming+match-datacache", "litdata", "litdata+tuned", "fsspec")
 
 
