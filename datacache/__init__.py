@@ -12,6 +12,7 @@ Public API (guarded by ``tests/test_api.py``)::
     Stream                                  one source of a mixed StreamingDataset(streams=[...])
     CachedDataset                           map-style, for your own sampler (plan(indices))
     CacheConfig, PrefetchConfig, TransferConfig, RetryConfig, parse_size
+    PeerConfig                              the peer tier: nodes serve their cached shards to each other
     DatacacheError and subclasses           see datacache.errors
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from ._version import __version__
 from .cache.eviction import ClairvoyantPolicy, LRUPolicy, Schedule
 from .cache.node import CacheHandle, NodeCache
-from .config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
+from .config import CacheConfig, PeerConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
 from .errors import (
     CacheError,
     DatacacheError,
@@ -66,7 +67,7 @@ __all__ = [
     "NodeCache", "CacheHandle",
     "LRUPolicy", "ClairvoyantPolicy", "Schedule",
     "StreamingDataset", "DataLoader", "CachedDataset", "Stream",
-    "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size",
+    "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "PeerConfig", "parse_size",
     "DatacacheError", "StorageError", "TransientStorageError", "ThrottledError", "NotFoundError",
     "PermissionDeniedError", "UnreachableError",
     "ManifestError", "IntegrityError", "ReaderError", "CacheError", "DatasetExistsError",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = ["parse_size", "format_size", "RetryConfig", "TransferConfig", "CacheConfig", "PrefetchConfig",
-           "ENV_VARS", "POLICIES", "cache_settings"]
+           "PeerConfig", "ENV_VARS", "PEER_ENV_VARS", "POLICIES", "cache_settings"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -249,3 +249,99 @@ class PrefetchConfig:
         object.__setattr__(self, "max_lookahead_bytes", parse_size(self.max_lookahead_bytes))
         if not (1 <= self.threads <= self.max_threads):
             raise ValueError("PrefetchConfig: need 1 <= threads <= max_threads")
+
+
+# PeerConfig field -> environment variable (an argument overrides it; it overrides the default).
+PEER_ENV_VARS: dict[str, str] = {
+    "peers": "DATACACHE_PEERS",
+    "token": "DATACACHE_PEER_TOKEN",
+    "bind": "DATACACHE_PEER_BIND",
+    "readonly_peers": "DATACACHE_READONLY_PEERS",
+    "readonly_token": "DATACACHE_READONLY_PEER_TOKEN",
+}
+_OFF = ("", "0", "off", "none", "false", "no")
+
+
+def _peer_env(name: str) -> Callable[[], Any]:
+    return lambda: os.environ.get(PEER_ENV_VARS[name]) or None
+
+
+def _addresses(value: Any, what: str) -> tuple[str, ...]:
+    """``host:port`` entries from a list or a comma-separated string, each checked."""
+    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else [str(v).strip() for v in value]
+    out = []
+    for item in items:
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"PeerConfig.{what}: {item!r} is not host:port (e.g. 10.0.0.7:7761)")
+        out.append(f"{host.strip('[]')}:{int(port)}")
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """The peer tier: nodes of one job serve their cached shards to each other (``datacache.peer``).
+
+    - ``peers``: every node's ``host:port`` in node-rank order (node k serves on entry k), a list
+      or a comma-separated string; default ``DATACACHE_PEERS``. ``"auto"``: exchanged through the
+      job's c10d store under torchrun (``datacache.peer.membership``). None, empty or ``"off"``:
+      the tier is off and nothing changes.
+    - ``token``: the job's shared secret (``DATACACHE_PEER_TOKEN``; with ``"auto"``, made and
+      exchanged through the job's store when not set). Never shown in a repr, log or error.
+    - ``node_rank``: this node's entry (default: the launcher's node rank, ``datacache.dist``).
+    - ``bind``: the ``host`` or ``host:port`` the server listens on (``DATACACHE_PEER_BIND``;
+      default: this node's entry; never all interfaces unless given ``0.0.0.0``).
+    - ``readonly_peers`` / ``readonly_token``: nodes of another job (say, the run a sweep follows)
+      whose cached shards this job may read, never asks to download (``DATACACHE_READONLY_PEERS``,
+      ``DATACACHE_READONLY_PEER_TOKEN``; the token defaults to ``token``).
+    - Deadlines, in seconds: a peer answers (headers) within ``connect_timeout``; its bytes never
+      stop for more than ``stall_timeout``; a shard an owner downloads for us arrives within
+      ``fetch_timeout``; then the next holder or the store is asked. A holder's transfer not done
+      after ``hedge_delay`` + its bytes / ``hedge_bandwidth`` is hedged: the next source starts too,
+      the first verified copy wins.
+    - ``validity``: how long a request's signature is accepted (clocks may differ by that much).
+    """
+
+    peers: tuple[str, ...] | str | None = field(default_factory=_peer_env("peers"))
+    token: str | None = field(default_factory=_peer_env("token"), repr=False)
+    node_rank: int | None = None
+    bind: str | None = field(default_factory=_peer_env("bind"))
+    readonly_peers: tuple[str, ...] | str | None = field(default_factory=_peer_env("readonly_peers"))
+    readonly_token: str | None = field(default_factory=_peer_env("readonly_token"), repr=False)
+    connect_timeout: float = 1.0
+    stall_timeout: float = 2.0
+    fetch_timeout: float = 60.0
+    hedge_delay: float = 0.5
+    hedge_bandwidth: int | str = "100MB"
+    validity: float = 30.0
+
+    def __post_init__(self) -> None:
+        peers = self.peers
+        if isinstance(peers, str) and peers.strip().lower() in _OFF:
+            peers = ()
+        elif isinstance(peers, str) and peers.strip().lower() == "auto":
+            peers = "auto"
+        else:
+            peers = _addresses(peers or (), "peers")
+        object.__setattr__(self, "peers", peers)
+        object.__setattr__(self, "readonly_peers", _addresses(self.readonly_peers or (), "readonly_peers"))
+        object.__setattr__(self, "hedge_bandwidth", parse_size(self.hedge_bandwidth))
+        if self.bind is not None and not str(self.bind).strip():
+            object.__setattr__(self, "bind", None)
+        for name in ("connect_timeout", "stall_timeout", "fetch_timeout", "validity"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"PeerConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.hedge_delay < 0 or not self.hedge_bandwidth:
+            raise ValueError("PeerConfig: hedge_delay must be >= 0 and hedge_bandwidth > 0")
+        if self.node_rank is not None and self.node_rank < 0:
+            raise ValueError(f"PeerConfig.node_rank must be >= 0, got {self.node_rank!r}")
+        if (self.peers or self.readonly_peers) and not (self.token or self.peers == "auto"):
+            raise ValueError("PeerConfig: peers are set but no token: set DATACACHE_PEER_TOKEN (the job's shared "
+                             "secret, e.g. `openssl rand -hex 32`) or pass PeerConfig(token=...)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the tier is on (peers of this job, or read-only peers, are configured)."""
+        return bool(self.peers) or bool(self.readonly_peers)

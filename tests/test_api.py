@@ -13,12 +13,13 @@ from tests.helpers.layers import absolute_imports, circles, depth, import_graph,
 EXPECTED = {
     "__version__", "write_dataset", "DatasetWriter", "Manifest", "ShardInfo", "load_manifest", "open_store", "Store",
     "NodeCache", "CacheHandle", "LRUPolicy", "ClairvoyantPolicy", "Schedule", "StreamingDataset", "DataLoader",
-    "CachedDataset", "Stream", "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "parse_size",
+    "CachedDataset", "Stream", "CacheConfig", "PrefetchConfig", "TransferConfig", "RetryConfig", "PeerConfig",
+    "parse_size",
     "DatacacheError", "StorageError", "TransientStorageError", "ThrottledError", "UnreachableError", "NotFoundError",
     "PermissionDeniedError", "ManifestError", "IntegrityError", "ReaderError", "CacheError", "DatasetExistsError",
 }
 ROOT = pathlib.Path(datacache.__file__).parent
-LAYERS = ("store", "cache", "plan", "mixing", "read", "pytorch", "cli")
+LAYERS = ("store", "cache", "plan", "peer", "mixing", "read", "pytorch", "cli")
 # which layer may import which (a layer may always import itself). "base" is datacache's top-level modules
 # (config, errors, manifest, hashing, progress, dist, _localfs, _version, _torchcompat); "writer" writes datasets.
 MAY_IMPORT = {
@@ -26,11 +27,12 @@ MAY_IMPORT = {
     "store": {"base"},
     "cache": {"base", "readers"},
     "plan": {"base"},
+    "peer": {"base", "cache"},
     "writer": {"base", "store", "readers"},
-    "read": {"base", "store", "cache", "plan", "readers"},
-    "mixing": {"base", "store", "cache", "plan", "read"},
-    "pytorch": {"base", "store", "cache", "plan", "read", "mixing", "readers"},
-    "cli": {"base", "store", "cache", "plan", "read", "mixing", "writer", "readers"},
+    "read": {"base", "store", "cache", "plan", "peer", "readers"},
+    "mixing": {"base", "store", "cache", "plan", "peer", "read"},
+    "pytorch": {"base", "store", "cache", "plan", "peer", "read", "mixing", "readers"},
+    "cli": {"base", "store", "cache", "plan", "peer", "read", "mixing", "writer", "readers"},
 }
 
 
@@ -65,6 +67,12 @@ def test_every_module_declares_all() -> None:
 def test_only_the_store_imports_fsspec() -> None:
     users = sorted(m for m, p in modules(ROOT).items() if {"fsspec", "s3fs"} & absolute_imports(p))
     assert users and all(m.startswith("store.") for m in users), users
+
+
+def test_only_the_peer_tier_imports_aiohttp() -> None:
+    """The peer tier's HTTP server and client are the only network code outside the store layer."""
+    users = sorted(m for m, p in modules(ROOT).items() if {"aiohttp", "yarl"} & absolute_imports(p))
+    assert users and all(m.startswith("peer.") for m in users), users
 
 
 def test_readers_import_nothing_of_datacache() -> None:

@@ -155,10 +155,18 @@ class NodeCache:
             e = txn.get(key)
         return None if e is None else next((t for t in ("ram", "ssd") if t in e.tiers), None)
 
-    def _lookup(self, key: str, locked: bool = False, promote: bool = True) -> CacheHandle | None:
+    def peek(self, key: str, digest: str | None = None) -> CacheHandle | None:
+        """A pinned handle on ``key``'s cached bytes (RAM first, verified as ``get`` verifies them), or
+        None when the node does not hold them (or holds other content than ``digest``): no fetch, no
+        promotion, no hit counted, no policy call. What a peer server serves. Thread- and process-safe."""
+        self._check_open()
+        return self._lookup(key, promote=False, touch=False, digest=digest)
+
+    def _lookup(self, key: str, locked: bool = False, promote: bool = True, touch: bool = True,
+                digest: str | None = None) -> CacheHandle | None:
         with self.index.read() as txn:
             entry = txn.get(key)
-        if entry is None:
+        if entry is None or (digest is not None and entry.hash != digest):
             return None
         for name in ("ram", "ssd"):
             rec = entry.tiers.get(name)
@@ -177,7 +185,8 @@ class NodeCache:
                 promoted = self._promote(key, entry, handle, locked)
                 if promoted is not None:
                     return promoted
-            self._touch(key, name, entry.size)
+            if touch:
+                self._touch(key, name, entry.size)
             return handle
         return None
 

@@ -41,11 +41,12 @@ from .planboard import Foreign, PlanBoard, Published
 if TYPE_CHECKING:
     from .node import NodeCache
 
-__all__ = ["NodePolicy", "dataset_of"]
+__all__ = ["NodePolicy", "dataset_of", "DUPLICATE"]
 
 log = logging.getLogger("datacache.cache.node")
 
 _policies: "weakref.WeakSet[NodePolicy]" = weakref.WeakSet()
+DUPLICATE = 1e6  # added to the score of a copy a peer also holds (schedule distances are a few epochs)
 
 
 def dataset_of(key: Hashable) -> str:
@@ -73,6 +74,7 @@ class NodePolicy(EvictionPolicy):
         self._own: dict[str, tuple[Schedule, Published | None]] = {}
         self._foreign: dict[str, Foreign] = {}
         self._view: dict[str, tuple[Schedule, ...]] = {}  # dataset -> schedules; replaced, never mutated
+        self._owned: dict[str, frozenset[str]] = {}  # dataset -> keys this node keeps for its peers; replaced
         self._next_scan = 0.0
         self._closed = False
         _policies.add(self)
@@ -92,10 +94,22 @@ class NodePolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ scores (no I/O)
     def _distance(self, key: str, after: float | None = None) -> float:
-        schedules = self._view.get(dataset_of(key))
+        ds = dataset_of(key)
+        schedules = self._view.get(ds)
         if not schedules:
             return INF
-        return min(s.distance(key, after) for s in schedules)
+        d = min(s.distance(key, after) for s in schedules)
+        owned = self._owned.get(ds)
+        return d + DUPLICATE if owned is not None and d < INF and key not in owned else d
+
+    def tell_owned(self, dataset: str, keys: frozenset[str]) -> None:
+        """With the peer tier: ``keys`` are the entries of ``dataset`` this node keeps for the job
+        (it owns them: ``datacache.peer.placement``). Every other entry of the dataset is a copy a
+        peer holds too, and scores ``DUPLICATE`` beyond its next use: it is evicted before any owned
+        entry, and admitted only in place of such copies or into free room (else served privately),
+        so copies never crowd out the shards only this node holds. Kept across forks."""
+        with self._lock:
+            self._owned = {**self._owned, dataset: frozenset(keys)}
 
     def score(self, key: str, atime: float) -> float:
         return self._distance(key)

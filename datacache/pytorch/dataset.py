@@ -33,7 +33,7 @@ import numpy.random  # noqa: F401 - the same (each import costs a starting DataL
 import torch.utils.data as tud
 
 from ..cache.node import NodeCache
-from ..config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
+from ..config import CacheConfig, PeerConfig, PrefetchConfig, RetryConfig, TransferConfig, parse_size
 from ..dist import DistInfo, detect, plan_nodes
 from ..manifest import Manifest
 from ..mixing.source import MixedSource, open_source
@@ -64,7 +64,8 @@ from ..read.node_schedule import (
     sliding_window,
     worth_sharing,
 )
-from ..read.shard_source import tell_plan
+from ..read.peers import attach, owned_keys, peer_stats, with_cluster_times
+from ..read.shard_source import ShardSource, tell_plan
 from ..store.storage import Store
 from .batches import RingCollator, batched, collate, sharing
 from .rounds import Rounds, WorkerBatches
@@ -133,6 +134,9 @@ class StreamingDataset(tud.IterableDataset):
     - ``placement``: "node" (default) keeps each shard on one node for the whole run when the job
       has several nodes (each epoch reshuffles within a node's share, so a node's cache keeps
       serving); "global" reshuffles all shards over all ranks every epoch. One node: the same.
+    - ``peers``: the peer tier (``datacache.PeerConfig``; default from ``DATACACHE_PEERS`` and
+      ``DATACACHE_PEER_TOKEN``, off when no peers are set): the job's nodes serve their cached
+      shards to each other, and the store answers only what no node holds (docs/peers.md).
     """
 
     def __init__(self, url: str | None = None, *, streams: Sequence[Stream] | None = None,
@@ -146,7 +150,7 @@ class StreamingDataset(tud.IterableDataset):
                  transfer: TransferConfig | None = None, retry: RetryConfig | None = None,
                  reader_options: Mapping[str, Any] | None = None, on_error: str = "raise",
                  dist: DistInfo | None = None, placement: str = "node", node_shuffle: str = "auto",
-                 shuffle_chunk: int | str | None = None) -> None:
+                 shuffle_chunk: int | str | None = None, peers: PeerConfig | None = None) -> None:
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ValueError("on_error must be 'raise' or 'skip'")
@@ -192,6 +196,10 @@ class StreamingDataset(tud.IterableDataset):
         self.shard_bytes = readonly([s.bytes for s in self.manifest.shards])
         if self.num_nodes > 1 and not self._composed:  # once per run and node: forked workers inherit it
             assign_nodes(self.shard_bytes, self.num_nodes, self.seed, share_dir=self.cache.control_dir)
+        self._peers = attach(self._sources(), peers, self.dist, placement=self.placement if not self._composed
+                             else "global", num_nodes=self.num_nodes, seed=self.seed)
+        if self._peers is not None:  # the server (maybe this process's) keeps what the node owns
+            tell_plan(self.cache, None, owned_keys(self._sources()))
         self._epoch = shared_int()
         self.epoch = 0
         self._epochs = AutoEpochs()  # the epochs of iterations without set_epoch (datacache.pytorch.shared)
@@ -275,6 +283,10 @@ class StreamingDataset(tud.IterableDataset):
             ident=(self.manifest.dataset_id, self.seed, self.dp_size, self.num_nodes, spec.node),
             parts=self._mix is None and self.source.fmt.layout is not None))
 
+    def _sources(self) -> list[ShardSource]:
+        """The shard sources behind this dataset (a mix's streams', or its one)."""
+        return list(self.source.sources) if isinstance(self.source, MixedSource) else [self.source]
+
     def _num_nodes(self) -> int:
         """Nodes the data-parallel ranks spread over (``dist.plan_nodes``); 1 (a global plan) when
         ``dp_rank``/``dp_size`` were given apart from ``dist``."""
@@ -355,7 +367,11 @@ class StreamingDataset(tud.IterableDataset):
             share = self.cache.control_dir if worth_sharing(len(self.counts), ranks, num_workers) else None
             times = node_schedule(self.manifest, self.counts, spec, ranks, first_plan_order=order,
                                   share_dir=share, orders=self._mix)
-            schedule = tell_plan(self.cache, times)
+            owned = owned_keys(self._sources()) if self._peers is not None else {}
+            if owned and self._mix is None and not spec.node_placed:  # global placement: peers read what we own
+                times = with_cluster_times(times, self.manifest, self.counts, spec,
+                                           owned.get(self.manifest.dataset_id, frozenset()), share)
+            schedule = tell_plan(self.cache, times, owned)
         if self._consumer is not None:
             self._consumer.close()
         prefetch = cap_lookahead(self.prefetch, self.cache, self.manifest, len(self._node_dp_ranks()) * num_workers)
@@ -480,7 +496,10 @@ class StreamingDataset(tud.IterableDataset):
         ``storage_retries``: retried storage requests (every consumer's finished epochs on the node,
         plus this process's so far). ``storage_throttled``, ``storage_throttle_seconds``,
         ``storage_concurrency``: the node's throttling answers from this store prefix, seconds spent
-        throttled, and its congestion window now (``datacache.store.congestion``). ``stash_bytes``: the
+        throttled, and its congestion window now (``datacache.store.congestion``). ``peers``: the peer
+        tier's node-wide figures (``datacache.read.peers.PEER_STATS``: bytes from peers and from the
+        store through it, bytes served to peers, corrupt answers refetched, fallbacks, hedges,
+        requests refused for bad auth), whether it is ``enabled``, this ``node`` and the ``nodes``. ``stash_bytes``: the
         samples this process's consumer holds read ahead for its later runs in a part-mixed cold
         epoch (``datacache.read.stash``; 0 otherwise)."""
         store = self._unflushed_store()
@@ -493,6 +512,7 @@ class StreamingDataset(tud.IterableDataset):
         out: dict[str, Any] = {"dataset": {"epoch": self.epoch, **self._own.totals(**live)}}
         out.update(self.cache.stats())
         out["storage_retries"] = int(out.get("storage_retries", 0)) + store["retries"]
+        out["peers"] = peer_stats(out, self._peers)
         cong = self.store.congestion.stats()
         out.update(storage_throttled=cong["throttled"], storage_throttle_seconds=cong["throttle_seconds"],
                    storage_concurrency=cong["concurrency"])

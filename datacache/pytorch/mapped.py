@@ -20,9 +20,11 @@ import torch.utils.data as tud
 
 from ..cache.eviction import Schedule
 from ..cache.node import CacheHandle, NodeCache
-from ..config import CacheConfig, PrefetchConfig, RetryConfig, TransferConfig
+from ..config import CacheConfig, PeerConfig, PrefetchConfig, RetryConfig, TransferConfig
+from ..dist import detect
 from ..manifest import Manifest
 from ..read.node_schedule import cap_lookahead
+from ..read.peers import attach
 from ..read.prefetch import Prefetcher
 from ..read.shard_source import ShardSource, tell_plan
 from ..store.storage import Store
@@ -36,13 +38,17 @@ class CachedDataset(tud.Dataset):
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
                  cache: CacheConfig | NodeCache | None = None, transform: Callable[[dict[str, Any]], Any] | None = None,
                  prefetch: PrefetchConfig | None = None, transfer: TransferConfig | None = None,
-                 retry: RetryConfig | None = None, reader_options: Mapping[str, Any] | None = None) -> None:
+                 retry: RetryConfig | None = None, reader_options: Mapping[str, Any] | None = None,
+                 peers: PeerConfig | None = None) -> None:
         """``url``, ``storage_options``, ``transfer``, ``retry``: the dataset and how to reach it (as
         for ``StreamingDataset``); ``cache``: a ``CacheConfig`` or an open ``NodeCache`` to share;
         ``transform``: applied to each sample; ``prefetch``: the prefetch pool's config;
-        ``reader_options``: keyword arguments for the format's reader."""
+        ``reader_options``: keyword arguments for the format's reader; ``peers``: the peer tier
+        (``datacache.PeerConfig``, as for ``StreamingDataset``; shards owned by rendezvous hashing,
+        the sampler's order being this process's own)."""
         self.source = ShardSource.open(url, storage_options=storage_options, cache=cache, transfer=transfer,
                                        retry=retry, reader_options=reader_options)
+        self._peers = attach([self.source], peers, detect())
         self.store: Store = self.source.store
         self.manifest: Manifest = self.source.manifest
         self.cache: NodeCache = self.source.cache

@@ -33,6 +33,7 @@ from ..cache.partial import PartialGone, PartialShard
 from ..config import CacheConfig, RetryConfig, TransferConfig
 from ..errors import IntegrityError, NotFoundError, ReaderError
 from ..manifest import Manifest, load_manifest
+from ..peer.tier import PeerTier
 from ..readers import ReaderError as ShardReaderError
 from ..readers import get_format
 from ..store.storage import Store, open_store
@@ -49,18 +50,25 @@ def make_cache(cache: CacheConfig | NodeCache | None) -> NodeCache:
     return cache if isinstance(cache, NodeCache) else NodeCache(cache or CacheConfig())
 
 
-def tell_plan(cache: NodeCache, schedule: Schedule | None) -> Schedule | None:
+def tell_plan(cache: NodeCache, schedule: Schedule | None,
+              owned: Mapping[str, frozenset[str]] | None = None) -> Schedule | None:
     """Tell ``cache`` the node's future reads of ``schedule``'s dataset: with a clairvoyant cache
     (``policy`` other than "lru") it evicts and admits by the next uses of every dataset in use on
     the node (``NodePolicy``: the schedules told in this process, one per dataset, and those other
-    processes published next to the cache). Returns the schedule in force (None for
-    an LRU cache, or when there is no schedule), which the reader then ``advance``s."""
-    if schedule is None or cache.config.policy == "lru":
+    processes published next to the cache). ``owned``: with the peer tier, the keys of each dataset
+    this node keeps for the job (``NodePolicy.tell_owned``: its other cached keys, copies a peer
+    also holds, go first). Returns the schedule in force (None for an LRU cache, or when there is
+    no schedule), which the reader then ``advance``s."""
+    if cache.config.policy == "lru" or (schedule is None and not owned):
         return None
     policy = cache.policy
     if not isinstance(policy, NodePolicy):
         policy = NodePolicy.for_cache(cache)
         cache.set_policy(policy)
+    for dataset, keys in (owned or {}).items():
+        policy.tell_owned(dataset, keys)
+    if schedule is None:
+        return None
     policy.tell(schedule)
     return schedule
 
@@ -77,6 +85,8 @@ class ShardSource:
         self.store, self.manifest, self.cache = store, manifest, cache
         self.reader_options = dict(reader_options or {})
         self.fmt = get_format(manifest.format)
+        self.peers: PeerTier | None = None  # the peer tier (``datacache.read.peers.attach``)
+        self._by_name: dict[str, int] | None = None
         self._init_parts()
 
     def _init_parts(self) -> None:
@@ -123,7 +133,8 @@ class ShardSource:
     # ------------------------------------------------------------------ fetch
     def fetch(self, shard: int, *, priority: float | None = None, use_at: float | None = None,
               into: str | None = None, on_bytes: Callable[[int], None] | None = None,
-              on_fetch: Callable[[], None] | None = None, cancelled: Callable[[], bool] | None = None) -> CacheHandle:
+              on_fetch: Callable[[], None] | None = None, cancelled: Callable[[], bool] | None = None,
+              via_peers: bool = True) -> CacheHandle:
         """Shard number ``shard``, pinned in the node cache, downloaded on a miss.
 
         ``priority``: lower is sooner, for the store's request slots (the plan position);
@@ -131,13 +142,13 @@ class ShardSource:
         ``into``: fill a miss into this tier only (see ``NodeCache.get``); ``on_bytes(n)``: called
         as bytes arrive; ``on_fetch()``: called when this call downloads (a miss it serves);
         ``cancelled()``: true abandons the download at once (``ReadCancelledError``, nothing cached).
+        With the peer tier (``peers``) a miss asks the peers first (``datacache.peer.tier``);
+        ``via_peers=False``: the store only (what a peer server downloads for the job).
         """
         info = self.manifest.shards[shard]
 
-        def download(path: str) -> None:
-            if on_fetch is not None:
-                on_fetch()
-            kw: dict[str, Any] = {"size": info.bytes, "cancelled": cancelled}
+        def from_store(path: str, stop: Callable[[], bool] | None = cancelled) -> None:
+            kw: dict[str, Any] = {"size": info.bytes, "cancelled": stop}
             if priority is not None:
                 kw["priority"] = priority
             if on_bytes is not None:
@@ -147,6 +158,14 @@ class ShardSource:
             except NotFoundError as exc:  # not the store's generic hint: the manifest names this shard
                 raise self._missing(shard) from exc
 
+        def download(path: str) -> None:
+            if on_fetch is not None:
+                on_fetch()
+            if self.peers is None or not via_peers:
+                return from_store(path)
+            if self.peers.fetch_into(shard, path, from_store, cancelled) == "peer" and on_bytes is not None:
+                on_bytes(info.bytes)
+
         try:
             return self.cache.get(self.key(shard), download, size=info.bytes, hash=info.hash, use_at=use_at,
                                   into=into)
@@ -154,6 +173,26 @@ class ShardSource:
             if exc.url is not None:
                 raise
             raise self._with_url(shard, exc) from exc
+
+    # ------------------------------------------------------------------ serving peers (datacache.peer.server)
+    def _shard_named(self, name: str, digest: str) -> int | None:
+        if self._by_name is None:
+            self._by_name = {s.name: i for i, s in enumerate(self.manifest.shards)}
+        i = self._by_name.get(name)
+        return i if i is not None and self.manifest.shards[i].hash == digest else None
+
+    def size_of(self, name: str, digest: str) -> int | None:
+        """The bytes of shard ``name`` if it has hash ``digest``, else None."""
+        i = self._shard_named(name, digest)
+        return None if i is None else self.manifest.shards[i].bytes
+
+    def fetch_for_peer(self, name: str, digest: str) -> CacheHandle:
+        """Shard ``name`` (hash ``digest``), pinned, from the node cache or the store, never a peer:
+        what this node's server downloads for the job as the shard's owner."""
+        i = self._shard_named(name, digest)
+        if i is None:
+            raise KeyError(name)
+        return self.fetch(i, via_peers=False)
 
     def _missing(self, shard: int) -> NotFoundError:
         """The error for a shard the manifest names and the store lacks."""

@@ -1,0 +1,54 @@
+"""Which node of a job keeps which shard: rendezvous (highest random weight) hashing.
+
+``rendezvous(names, addresses)`` ranks the nodes for every shard by a seeded 64-bit weight of
+(shard name, node address) and returns, per shard, the node indices best first: entry 0 is the
+shard's *owner*, which downloads it from the store for the whole job and keeps it. Weights depend
+on the names and addresses only, never on the node count or order, so:
+
+- every process of every node computes the same owners, with no communication;
+- a node that joins takes about ``1 / N`` of the shards, all from the others, and a node that leaves
+  hands its shards to the next node in each shard's ranking; no other shard moves;
+- another job that knows this job's addresses computes the same owners.
+
+``name_hashes`` gives the 64-bit ids of shard names that the servers' held summaries use.
+Pure functions over numpy arrays; thread-safe.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+__all__ = ["name_hashes", "rendezvous", "owners"]
+
+
+def name_hashes(names: Sequence[str]) -> np.ndarray:
+    """xxh3-64 of each shard name (uint64): the ids of the held summaries (``server``)."""
+    return np.fromiter((xxhash.xxh3_64_intdigest(n.encode()) for n in names), dtype=np.uint64, count=len(names))
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer (uint64 in, uniform uint64 out)."""
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * np.uint64(0xBF58476D1CE4E5B9)
+        x = x ^ (x >> np.uint64(27))
+        x = x * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def rendezvous(names: Sequence[str] | np.ndarray, addresses: Sequence[str]) -> np.ndarray:
+    """(shards, nodes) int32: for every shard the node indices of ``addresses``, highest weight
+    first. ``names``: shard names, or their ``name_hashes``."""
+    ids = names if isinstance(names, np.ndarray) else name_hashes(names)
+    if not len(addresses):
+        return np.zeros((len(ids), 0), dtype=np.int32)
+    nodes = np.array([xxhash.xxh3_64_intdigest(a.encode()) for a in addresses], dtype=np.uint64)
+    weights = _mix(ids[:, None] ^ _mix(nodes)[None, :])
+    return np.ascontiguousarray(np.argsort(weights, axis=1)[:, ::-1]).astype(np.int32)
+
+
+def owners(names: Sequence[str] | np.ndarray, addresses: Sequence[str]) -> np.ndarray:
+    """The owner (index into ``addresses``) of every shard: ``rendezvous(...)[:, 0]``."""
+    return rendezvous(names, addresses)[:, 0] if len(addresses) else np.zeros(len(names), dtype=np.int32)
