@@ -14,11 +14,7 @@ own RAM and SSD directories, all reading through one metering SlowLink proxy.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -31,13 +27,11 @@ from datacache import StreamingDataset, write_dataset
 from datacache.dist import detect
 from datacache.plan.epoch import build_plan
 from tests.helpers import faults as H
+from tests.helpers.nodes import TIMEOUT, Job, exactly_once
 from tools.s3server import free_ports
 from tools.scale_model import predict_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).parent / "helpers" / "node_worker.py"
-TIMEOUT = 300
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _dataset(s3_server: Any, n: int) -> tuple[str, Any]:
@@ -46,81 +40,6 @@ def _dataset(s3_server: Any, n: int) -> tuple[str, Any]:
     m = write_dataset(({"i": i, "x": rng.integers(0, 2**31 - 1, 256, dtype=np.int32)} for i in range(n)), url,
                       shard_bytes=48 << 10, storage_options=s3_server.storage_options(), progress=False)
     return url, m
-
-
-class Job:
-    """``nodes`` x ``per_node`` rank processes of one run; ``step(epoch)`` waits for every rank to
-    finish the epoch and returns the proxy's counters at that point, then lets the ranks go on."""
-
-    def __init__(self, tmp: Path, name: str, link: Any, base: dict[str, Any], node_dirs: list[Path],
-                 per_node: int, epochs: list[int], **extra: Any) -> None:
-        self.out, self.link, self.epochs = tmp / name, link, epochs
-        self.out.mkdir()
-        self.world = len(node_dirs) * per_node
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-        env.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-        self.procs: list[subprocess.Popen] = []
-        self.logs: list[Path] = []
-        for rank in range(self.world):
-            node = node_dirs[rank // per_node]
-            cfg = {**base, **extra, "epochs": epochs, "out_dir": str(self.out), "ram_dir": str(node / "ram"),
-                   "ssd_dir": str(node / "ssd")}
-            path = self.out / f"cfg{rank}.json"
-            path.write_text(json.dumps(cfg))
-            launch = {"RANK": str(rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": str(rank % per_node),
-                      "LOCAL_WORLD_SIZE": str(per_node)}
-            log = self.out / f"rank{rank}.log"
-            self.logs.append(log)
-            with open(log, "wb") as f:
-                self.procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path)], cwd=ROOT,
-                                                   env={**env, **launch}, stdout=f, stderr=subprocess.STDOUT,
-                                                   start_new_session=True))
-        self.deadline = time.monotonic() + TIMEOUT
-
-    def _tail(self) -> str:
-        return "\n".join(f"--- rank {r}\n{p.read_text(errors='replace')[-3000:]}" for r, p in enumerate(self.logs))
-
-    def step(self, epoch: int) -> dict[str, int]:
-        want = [self.out / f"epoch{epoch}_rank{r}.json" for r in range(self.world)]
-        while not all(p.exists() for p in want):
-            for r, p in enumerate(self.procs):
-                assert p.poll() is None, f"rank {r} exited early ({p.returncode}):\n{self._tail()}"
-            assert time.monotonic() < self.deadline, f"epoch {epoch} did not finish:\n{self._tail()}"
-            time.sleep(0.05)
-        snap = self.link.snapshot()
-        (self.out / f"go{epoch}").touch()
-        return snap
-
-    def ids(self, epoch: int) -> list[list[int]]:
-        return [json.loads((self.out / f"epoch{epoch}_rank{r}.json").read_text()) for r in range(self.world)]
-
-    def stats(self, epoch: int, rank: int) -> dict[str, Any]:
-        return json.loads((self.out / f"stats{epoch}_rank{rank}.json").read_text())
-
-    def run(self) -> list[dict[str, int]]:
-        """Every epoch's counters (cumulative), then wait for the ranks to exit cleanly."""
-        try:
-            snaps = [self.step(e) for e in self.epochs]
-            for r, p in enumerate(self.procs):
-                rc = p.wait(timeout=max(1.0, self.deadline - time.monotonic()))
-                assert rc == 0, f"rank {r} failed ({rc}):\n{self._tail()}"
-            return snaps
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)  # the rank's own session: it and its DataLoader workers
-                p.wait()
-
-
-def _exactly_once(per_rank: list[list[int]], n: int) -> None:
-    seen = Counter(i for ids in per_rank for i in ids)
-    assert set(seen) == set(range(n)), f"{n - len(set(seen) & set(range(n)))} samples never read"
-    repeats = sum(c - 1 for c in seen.values())
-    assert repeats < len(per_rank), f"{repeats} repeats beyond the padding"
-    assert len({len(ids) for ids in per_rank}) == 1, "ranks read different amounts"
 
 
 def _base(url: str, s3_server: Any, link: Any, ram_bytes: int) -> dict[str, Any]:
@@ -141,7 +60,7 @@ def test_sticky_reads_two_nodes(s3_server: Any, slowlink: Any, tmp_path: Path) -
               epochs=[0, 1, 2], num_workers=2)
     snaps = job.run()
     for e in range(3):
-        _exactly_once(job.ids(e), n)
+        exactly_once(job.ids(e), n)
     assert job.ids(0) != job.ids(1), "epochs do not reshuffle"
     assert snaps[0]["bytes_down"] >= d
     later = snaps[2]["bytes_down"] - snaps[0]["bytes_down"]
@@ -185,7 +104,7 @@ def test_elastic_resume_three_to_two_nodes(s3_server: Any, slowlink: Any, tmp_pa
     epoch1 = first.ids(1) + resumed.ids(1)
     seen = Counter(i for ids in epoch1 for i in ids)
     assert set(seen) == set(range(n)) and sum(c - 1 for c in seen.values()) < 2, "epoch 1 is not exactly once"
-    _exactly_once(resumed.ids(2), n)
+    exactly_once(resumed.ids(2), n)
     next_epoch = snaps[1]["bytes_down"] - snaps[0]["bytes_down"]
     assert lost > 0.25 * d
     print(f"elastic: D={d} B, lost node held {lost} B, next full epoch {next_epoch} B")
@@ -215,7 +134,7 @@ def test_one_node_four_readers_fetch_d_minus_c(s3_server: Any, slowlink: Any, tm
     per_epoch = [snaps[0]["bytes_down"]] + [b["bytes_down"] - a["bytes_down"] for a, b in zip(snaps, snaps[1:])]
     print(f"\none node, 2 ranks x 2 workers: D = {d} B, D - C = {d - c} B, remote bytes per epoch {per_epoch}")
     for e in range(3):
-        _exactly_once(job.ids(e), n)
+        exactly_once(job.ids(e), n)
         assert [job.stats(e, r)["bad"] for r in range(2)] == [0, 0], f"epoch {e}: samples with wrong bytes"
     assert job.ids(0) != job.ids(1), "epochs do not reshuffle"
     assert d <= per_epoch[0] <= 1.05 * d

@@ -48,6 +48,11 @@ class EvictionPolicy:
 
     bypass = False
 
+    def admits(self, key: str) -> bool:
+        """Whether ``key`` may enter the cache at all (False: it is served privately, even into free
+        room; ``NodePolicy`` refuses copies a peer keeps for the job)."""
+        return True
+
     def worth_keeping(self, key: str) -> bool:
         """Whether an evicted RAM entry should be demoted to SSD."""
         return True

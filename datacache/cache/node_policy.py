@@ -41,12 +41,13 @@ from .planboard import Foreign, PlanBoard, Published
 if TYPE_CHECKING:
     from .node import NodeCache
 
-__all__ = ["NodePolicy", "dataset_of", "DUPLICATE"]
+__all__ = ["NodePolicy", "dataset_of", "DUPLICATE", "UNSCHEDULED"]
 
 log = logging.getLogger("datacache.cache.node")
 
 _policies: "weakref.WeakSet[NodePolicy]" = weakref.WeakSet()
 DUPLICATE = 1e6  # added to the score of a copy a peer also holds (schedule distances are a few epochs)
+UNSCHEDULED = DUPLICATE / 2  # the score of an owned entry no schedule knows
 
 
 def dataset_of(key: Hashable) -> str:
@@ -96,18 +97,34 @@ class NodePolicy(EvictionPolicy):
     def _distance(self, key: str, after: float | None = None) -> float:
         ds = dataset_of(key)
         schedules = self._view.get(ds)
-        if not schedules:
-            return INF
-        d = min(s.distance(key, after) for s in schedules)
+        d = min(s.distance(key, after) for s in schedules) if schedules else INF
         owned = self._owned.get(ds)
-        return d + DUPLICATE if owned is not None and d < INF and key not in owned else d
+        if owned is None:
+            return d
+        if key in owned:
+            return d if d < INF else UNSCHEDULED
+        return d + DUPLICATE
+
+    def admits(self, key: str) -> bool:
+        return key in self._owned.get(dataset_of(key), (key,))
+
+    def stand_in(self, key: str) -> None:
+        """Keep ``key`` as if owned, in this process: its owner could not fetch it for the job
+        (``datacache.peer.tier``), so this node keeps the job's copy until the owner takes it."""
+        ds = dataset_of(key)
+        with self._lock:
+            if ds in self._owned:
+                self._owned = {**self._owned, ds: self._owned[ds] | {key}}
 
     def tell_owned(self, dataset: str, keys: frozenset[str]) -> None:
         """With the peer tier: ``keys`` are the entries of ``dataset`` this node keeps for the job
-        (it owns them: ``datacache.peer.placement``). Every other entry of the dataset is a copy a
-        peer holds too, and scores ``DUPLICATE`` beyond its next use: it is evicted before any owned
-        entry, and admitted only in place of such copies or into free room (else served privately),
-        so copies never crowd out the shards only this node holds. Kept across forks."""
+        (it owns them: ``datacache.peer.placement``). Every other shard of the dataset is one a peer
+        keeps: it is never admitted (``admits``: served privately while it is read, as a bypassed
+        entry is) and a copy already cached scores ``DUPLICATE`` beyond its next use, so it is
+        evicted before any owned entry. So copies never crowd out the shards only this node holds,
+        not even through pins (a pinned copy could not be evicted for an owned shard). An owned
+        entry that no schedule knows yet scores ``UNSCHEDULED``: after every scheduled entry,
+        before every copy. Kept across forks."""
         with self._lock:
             self._owned = {**self._owned, dataset: frozenset(keys)}
 

@@ -85,11 +85,13 @@ def make_room(index: Index, tier: Tier, key: str, nbytes: int, fname: str, diges
     the key locks; ``token``: this cache generation's verification token; ``ssd``: where RAM
     victims may be demoted.
 
-    Returns ``(False, [])`` when the entry is not admitted (the policy bypasses it, or everything
-    that could make room is pinned); the index is then unchanged. Otherwise ``(True, victims)``:
-    the caller must demote and ``drop`` every victim.
+    Returns ``(False, [])`` when the entry is not admitted (the policy refuses it, ``admits``, or
+    bypasses it, or everything that could make room is pinned); the index is then unchanged.
+    Otherwise ``(True, victims)``: the caller must demote and ``drop`` every victim.
     """
     victims: list[Victim] = []
+    if not policy.admits(key):
+        return False, []
     with index.write() as txn:
         old = txn.get(key)
         old_rec = old.tiers.get(tier.name) if old else None

@@ -39,9 +39,9 @@ class PeerFailed(Exception):
     """A peer did not deliver (unreachable, 4xx/5xx, stalled, cut off, wrong size). Carries no
     token; ``status`` is the HTTP status where one came."""
 
-    def __init__(self, msg: str, status: int | None = None) -> None:
+    def __init__(self, msg: str, status: int | None = None, timed_out: bool = False) -> None:
         super().__init__(msg)
-        self.status = status
+        self.status, self.timed_out = status, timed_out
 
 
 class PeerCorrupt(PeerFailed):
@@ -108,7 +108,8 @@ async def get_shard(rt: Runtime, cfg: PeerConfig, signer: Signer, addr: str, dat
         resp = await asyncio.wait_for(rt.session().get(_url(addr, target), headers=headers, allow_redirects=False),
                                       cfg.connect_timeout + cfg.stall_timeout)
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-        raise PeerFailed(f"no answer from {addr}: {type(exc).__name__}") from None
+        raise PeerFailed(f"no answer from {addr}: {type(exc).__name__}",
+                         timed_out=isinstance(exc, asyncio.TimeoutError)) from None
     try:
         if resp.status != 200:
             raise PeerFailed(f"{addr} answered {resp.status}", resp.status)
@@ -122,7 +123,8 @@ async def get_shard(rt: Runtime, cfg: PeerConfig, signer: Signer, addr: str, dat
                 try:
                     chunk = await asyncio.wait_for(resp.content.read(CHUNK), wait)
                 except asyncio.TimeoutError:
-                    raise PeerFailed(f"{addr} stalled for {wait:.1f} s at {got} of {size} bytes") from None
+                    raise PeerFailed(f"{addr} stalled for {wait:.1f} s at {got} of {size} bytes",
+                                     timed_out=True) from None
                 first = False
                 if not chunk:
                     break

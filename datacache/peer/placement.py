@@ -10,7 +10,9 @@ on the names and addresses only, never on the node count or order, so:
   hands its shards to the next node in each shard's ranking; no other shard moves;
 - another job that knows this job's addresses computes the same owners.
 
-``name_hashes`` gives the 64-bit ids of shard names that the servers' held summaries use.
+``owners`` bounds the loads (a node owns at most ``(1 + SLACK) D / N`` bytes plus a shard), so
+the bound holds on every node, not only on average. ``name_hashes`` gives the 64-bit ids of shard
+names that the servers' held summaries use.
 Pure functions over numpy arrays; thread-safe.
 """
 from __future__ import annotations
@@ -20,7 +22,9 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-__all__ = ["name_hashes", "rendezvous", "owners"]
+__all__ = ["name_hashes", "rendezvous", "owners", "SLACK"]
+
+SLACK = 0.05  # a node owns at most (1 + SLACK) D / N bytes, plus one shard
 
 
 def name_hashes(names: Sequence[str]) -> np.ndarray:
@@ -49,6 +53,27 @@ def rendezvous(names: Sequence[str] | np.ndarray, addresses: Sequence[str]) -> n
     return np.ascontiguousarray(np.argsort(weights, axis=1)[:, ::-1]).astype(np.int32)
 
 
-def owners(names: Sequence[str] | np.ndarray, addresses: Sequence[str]) -> np.ndarray:
-    """The owner (index into ``addresses``) of every shard: ``rendezvous(...)[:, 0]``."""
-    return rendezvous(names, addresses)[:, 0] if len(addresses) else np.zeros(len(names), dtype=np.int32)
+def owners(names: Sequence[str] | np.ndarray, addresses: Sequence[str], sizes: Sequence[int] | None = None,
+           slack: float = SLACK) -> np.ndarray:
+    """The owner (index into ``addresses``) of every shard: its first node in ``rendezvous`` order,
+    with bounded loads when ``sizes`` are given: shards taken in the order of their name ids, each
+    goes to the first node of its ranking that still holds less than ``(1 + slack) D / N`` bytes, so
+    no node owns more than that plus one shard (a node's owned bytes must fit its cache for the
+    bound). A shard whose first node is full moves to its second: a node that joins or leaves still
+    moves little more than its share."""
+    if not len(addresses):
+        return np.zeros(len(names), dtype=np.int32)
+    ranks = rendezvous(names, addresses)
+    if sizes is None:
+        return ranks[:, 0].copy()
+    ids = names if isinstance(names, np.ndarray) else name_hashes(names)
+    sz = np.asarray(sizes, dtype=np.int64)
+    cap = (1.0 + slack) * float(sz.sum()) / len(addresses)
+    load = np.zeros(len(addresses), dtype=np.int64)
+    out = np.empty(len(sz), dtype=np.int32)
+    for i in np.argsort(ids, kind="stable").tolist():
+        row = ranks[i]
+        k = next((int(k) for k in row if load[k] < cap), int(row[0]))
+        out[i] = k
+        load[k] += sz[i]
+    return out

@@ -138,7 +138,12 @@ class PeerServer:
         return await handler(request)
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        except RuntimeError as exc:  # the interpreter is exiting: its thread pools take nothing new
+            if "shutdown" not in str(exc):
+                raise
+            raise web.HTTPServiceUnavailable(text="datacache peer: shutting down") from None
 
     async def _shard(self, request: web.Request) -> web.StreamResponse:
         ds, digest, name = (request.match_info[k] for k in ("dataset", "digest", "name"))

@@ -12,8 +12,12 @@ Each source gets the next only when it fails (answer, status, stall, size or has
 when a holder's transfer is not done ``hedge_delay + size / hedge_bandwidth`` seconds after it began:
 then the next source starts beside it (a hedge) and the first complete, verified copy wins; the
 others are cancelled and their files removed. An owner that says it is downloading is not hedged:
-that download is the job's one. So a shard arrives, or the store's own error is raised, within the
-deadlines of ``PeerConfig``. Peer bytes are verified against the manifest's hash before they are
+that download is the job's one. A peer that timed out is left out for ``DOWN_FOR`` seconds. When the
+store had to serve a shard another node owns (its owner did not answer: a node not up yet, or gone),
+this node keeps it as a stand-in (``NodePolicy.stand_in``), and the owner, when it needs the shard,
+takes it from there: a cold start whose nodes start apart still reads the store once. So a shard
+arrives, or the store's own error is raised, within the deadlines of ``PeerConfig``.
+Peer bytes are verified against the manifest's hash before they are
 handed to the cache (which verifies again); a mismatch counts as ``corrupt`` and goes to the next
 source. Counters (node-wide, in the node cache's statistics): ``peer_bytes_from_peers``,
 ``peer_bytes_from_store``, ``peer_fallbacks``, ``peer_hedged``, ``peer_corrupt``.
@@ -67,7 +71,8 @@ class PeerTier:
         self.membership, self.cache, self.dataset = membership, cache, dataset
         self.names, self.sizes, self.hashes = list(names), [int(s) for s in sizes], list(hashes)
         self.ids = name_hashes(self.names)
-        self.owner = np.asarray(owner if owner is not None else owners(self.ids, membership.peers), dtype=np.int32)
+        self.owner = np.asarray(owner if owner is not None else owners(self.ids, membership.peers, self.sizes),
+                                dtype=np.int32)
         self.cfg = membership.config
         self._signer, self._ro_signer = Signer(membership.token), Signer(membership.readonly_token)
         self._held: dict[str, np.ndarray] = {}
@@ -141,13 +146,8 @@ class PeerTier:
         asks = [(m.peers[k], self._signer) for k in m.others] + [(a, self._ro_signer) for a in m.readonly]
         got = await asyncio.gather(*(held(rt, self.cfg, s, a, self.dataset) for a, s in asks), return_exceptions=True)
         now = time.monotonic()
-        for (addr, _), ids in zip(asks, got):
-            if isinstance(ids, BaseException):
-                self._held[addr] = np.zeros(0, dtype=np.uint64)
-                if isinstance(ids, PeerFailed) and ids.status is None:
-                    self._down[addr] = now + DOWN_FOR
-            else:
-                self._held[addr] = ids
+        for (addr, _), ids in zip(asks, got):  # a peer not up yet holds nothing (and is asked again later)
+            self._held[addr] = np.zeros(0, dtype=np.uint64) if isinstance(ids, BaseException) else ids
         self._held_at = now
 
     async def _fetch(self, shard: int, path: str, store_fetch: StoreFetch, cancelled: Callable[[], bool]) -> str:
@@ -187,7 +187,7 @@ class PeerTier:
                     cand, tmp, _ = tasks.pop(fut)
                     exc = fut.exception()
                     if exc is None:
-                        return self._won(cand, tmp, path, size)
+                        return self._won(shard, cand, tmp, path, size)
                     error = exc
                     remove_if_exists(tmp)
                     self._failed(cand, exc)
@@ -209,10 +209,14 @@ class PeerTier:
             return float("inf")
         return began + self.cfg.hedge_delay + size / self.cfg.hedge_bandwidth - time.monotonic()
 
-    def _won(self, cand: tuple[str, bool, Signer | None], tmp: str, path: str, size: int) -> str:
+    def _won(self, shard: int, cand: tuple[str, bool, Signer | None], tmp: str, path: str, size: int) -> str:
         os.replace(tmp, path)
         if cand is _STORE:
             self.cache.count(peer_bytes_from_store=size)
+            owner = int(self.owner[shard])
+            stand_in = getattr(self.cache.policy, "stand_in", None)
+            if owner != self.membership.me and self.membership.me >= 0 and stand_in is not None:
+                stand_in(f"{self.dataset}/{self.names[shard]}")  # its owner could not: keep it for the job
             return "store"
         self.cache.count(peer_bytes_from_peers=size)
         return "peer"
@@ -224,7 +228,7 @@ class PeerTier:
         self.cache.count(peer_fallbacks=1, **({"peer_corrupt": 1} if isinstance(exc, PeerCorrupt) else {}))
         if isinstance(exc, PeerCorrupt):
             log.warning("datacache: %s; fetching it elsewhere", exc)
-        elif isinstance(exc, PeerFailed) and exc.status is None:
+        elif isinstance(exc, PeerFailed) and exc.timed_out:  # refused or cut: cheap to ask again
             self._down[addr] = time.monotonic() + DOWN_FOR
         if not isinstance(exc, PeerFailed):
             log.warning("datacache: peer %s failed: %r", addr, exc)

@@ -77,7 +77,7 @@ def with_cluster_times(times: Schedule, manifest: Manifest, counts: np.ndarray, 
     will ask for first."""
     if not owned:
         return times
-    job = node_schedule(manifest, counts, dataclasses.replace(spec, num_workers=1), range(spec.dp_size),
+    job = node_schedule(manifest, counts, dataclasses.replace(spec, num_workers=1, worker_id=0), range(spec.dp_size),
                         share_dir=share_dir)
     merged: dict[Any, list[float]] = {k: list(v) for k, v in times.times.items()}
     for key, ts in job.times.items():

@@ -187,12 +187,13 @@ class ShardSource:
         return None if i is None else self.manifest.shards[i].bytes
 
     def fetch_for_peer(self, name: str, digest: str) -> CacheHandle:
-        """Shard ``name`` (hash ``digest``), pinned, from the node cache or the store, never a peer:
-        what this node's server downloads for the job as the shard's owner."""
+        """Shard ``name`` (hash ``digest``), pinned: what this node's server downloads for the job as
+        the shard's owner, from the node cache, a peer that holds a copy (never another owner: this
+        node is the owner), or the store."""
         i = self._shard_named(name, digest)
         if i is None:
             raise KeyError(name)
-        return self.fetch(i, via_peers=False)
+        return self.fetch(i, via_peers=self.peers is not None and int(self.peers.owner[i]) == self.peers.membership.me)
 
     def _missing(self, shard: int) -> NotFoundError:
         """The error for a shard the manifest names and the store lacks."""

@@ -9,7 +9,11 @@ num_workers=0, else that of a StatefulDataLoader, saved in its workers; n a mult
 payload_size (samples are ``tests.helpers.faults`` samples: check every sample's bytes) and
 persistent_workers (one DataLoader for every epoch, its workers kept, as training jobs run; not
 with stop) and lockstep (a TCP port: the ranks join a gloo process group there and all-reduce
-once per batch, as data-parallel training does, so no rank runs ahead of the others). Per epoch it
+once per batch, as data-parallel training does, so no rank runs ahead of the others) and placement
+and peers (``PeerConfig`` keywords; ``binds``, a list by node rank, gives each node its ``bind``)
+and pause ([epoch, n]: after n samples of that epoch write ``paused{e}_rank{r}`` and wait for the
+test's ``resume{e}``) and linger (after the last epoch, wait for the test's ``exit`` file: the
+node's peer server stays up for another job). Per epoch it
 writes the sample ids it got to ``out_dir/epoch{e}_rank{r}.json`` and its node cache's stats to
 ``stats{e}_rank{r}.json`` (with ``bad``: the samples whose bytes were wrong), then waits for the
 test's ``go{e}`` file (so the test reads the proxy's counters between epochs).
@@ -25,7 +29,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from datacache import CacheConfig, StreamingDataset
+from datacache import CacheConfig, PeerConfig, StreamingDataset
 from tests.helpers.faults import payload
 
 
@@ -71,7 +75,13 @@ def main() -> int:
     rank, out = int(os.environ["RANK"]), cfg["out_dir"]
     cache = CacheConfig(ram_bytes=cfg["ram_bytes"], ssd_bytes=cfg["ssd_bytes"], ram_dir=cfg["ram_dir"],
                         ssd_dir=cfg["ssd_dir"])
-    ds = StreamingDataset(cfg["url"], storage_options=cfg["storage_options"], cache=cache, seed=cfg["seed"])
+    peers = None
+    if cfg.get("peers") is not None:
+        node = rank // int(os.environ["LOCAL_WORLD_SIZE"])
+        binds = cfg.get("binds")
+        peers = PeerConfig(**cfg["peers"], **({"bind": binds[node]} if binds else {}))
+    ds = StreamingDataset(cfg["url"], storage_options=cfg["storage_options"], cache=cache, seed=cfg["seed"],
+                          placement=cfg.get("placement", "node"), peers=peers)
     if cfg.get("resume"):
         with open(cfg["resume"]) as f:
             ds.load_state_dict(json.load(f))
@@ -79,6 +89,12 @@ def main() -> int:
            {"dp_rank": ds.dp_rank, "dp_size": ds.dp_size, "num_nodes": ds.num_nodes})
     step = _lockstep(cfg.get("lockstep"), rank)
     stop_epoch, stop_after = cfg.get("stop") or (None, None)
+    pause_epoch, pause_after = cfg.get("pause") or (None, None)
+
+    def pause(epoch: int, seen: int, before: int) -> None:
+        if epoch == pause_epoch and before < pause_after <= seen:
+            _write(os.path.join(out, f"paused{epoch}_rank{rank}"), seen)
+            _wait(os.path.join(out, f"resume{epoch}"))
     kept = DataLoader(ds, batch_size=16, num_workers=cfg["num_workers"], persistent_workers=True) \
         if cfg.get("persistent_workers") else None
     for epoch in cfg["epochs"]:
@@ -92,7 +108,9 @@ def main() -> int:
                                                                            num_workers=cfg["num_workers"])
             for batch in loader:
                 step()
+                before = len(ids)
                 ids += batch["i"].tolist()
+                pause(epoch, len(ids), before)
                 bad += _wrong(batch, size)
                 if stopping and len(ids) >= stop_after:
                     _write(os.path.join(out, f"state_rank{rank}.json"), loader.state_dict())
@@ -101,15 +119,25 @@ def main() -> int:
         else:
             for sample in ds:
                 ids.append(int(sample["i"]))
+                pause(epoch, len(ids), len(ids) - 1)
                 bad += _wrong({"i": [sample["i"]], "data": [sample.get("data")]}, size)
                 if stopping and len(ids) == stop_after:
                     _write(os.path.join(out, f"state_rank{rank}.json"), ds.state_dict())
                     break
         _write(os.path.join(out, f"epoch{epoch}_rank{rank}.json"), ids)
-        stats = {**{k: v for k, v in ds.stats().items() if isinstance(v, (int, float))}, "bad": bad}
+        got = ds.stats()
+        stats = {**{k: v for k, v in got.items() if isinstance(v, (int, float))}, "bad": bad,
+                 **{f"peers_{k}": v for k, v in got["peers"].items()}}
+        tier = ds.source.peers
+        if tier is not None:  # how many of the shards this node owns it holds now
+            owned = tier.owned().tolist()
+            stats.update(owned=len(owned), owned_bytes=sum(ds.manifest.shards[i].bytes for i in owned),
+                         owned_held=sum(ds.cache.contains(ds.manifest.cache_key(i)) is not None for i in owned))
         _write(os.path.join(out, f"stats{epoch}_rank{rank}.json"), stats)
         _wait(os.path.join(out, f"go{epoch}"))
     del kept
+    if cfg.get("linger"):
+        _wait(os.path.join(out, "exit"))
     ds.close()
     return 0
 
