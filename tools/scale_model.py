@@ -36,6 +36,9 @@ and without the peer tier. Its assumptions, printed with the table (``PEER_ASSUM
   D x max(1 - seen, 1 - N C / D) (the 4-node bench measures 0.77 and 0.52 D against 0.75 and
   0.56). With peers, as node placement: D, then max(0, D - N C); a node's cache holds a C / D share
   of the shards (at most all), the rest of its share comes from peers.
+- peer bytes: the misses the store does not serve. In epoch 1 that counts only shards two nodes
+  read; a tier whose owners download for the readers moves up to (1 - 1/N) D more between nodes
+  (the 4-node bench measures 1.19 D, the next epoch's prefetch included): neither egress nor GETs.
 - time: an epoch lasts as long as the slowest node's store bytes take at ``--bandwidth`` (each node
   fetches the shards it owns, the store's bytes spread evenly over the nodes with peers), or its
   peer bytes at ``--peer-bandwidth`` (the cluster fabric, apart from the store path), or
@@ -154,7 +157,9 @@ PEER_ASSUMPTIONS = (
     "global: a fresh uniform 1/N of the shards per node each epoch; no peers: D x max(1 - seen, 1 - N C / D), "
     "seen = 1 - (1 - 1/N)^(e-1) (a clairvoyant cache keeps what it read before and reads next); peers: as node",
     "time: the slowest node's store bytes / --bandwidth, its peer bytes / --peer-bandwidth, or --compute-s; "
-    "GETs = ceil(bytes / part); egress = the store's bytes")
+    "GETs = ceil(bytes / part); egress = the store's bytes",
+    "peer bytes: the misses the store does not serve; in epoch 1 only shards two nodes read (a tier whose owners "
+    "download for the readers adds up to (1 - 1/N) D of peer traffic, which is neither egress nor a GET)")
 
 
 def peer_rows(share: list[int], D: int, *, nodes: int, cache: int, epochs: int, part: int, bandwidth: float,
