@@ -1,7 +1,8 @@
 """datacache against its peers on one emulated WAN link: ``python tools/bench.py --out DIR``.
 
     python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle,nodes,shuffle,mix,peers]
-                          [--systems datacache,streaming,litdata,fsspec] [--variants default,tuned,matched,dropin,torch]
+                          [--systems datacache,streaming,litdata,fsspec]
+                          [--variants default,tuned,matched,dropin,torch,window,placement]
                           [--reps 3] [--storm 30] [--profile SCENARIO] [--readme README.md] --out DIR
 
 Install: ``pip install -c constraints.txt -e '.[bench]'`` (constraints.txt pins the installed torch,

@@ -64,7 +64,10 @@ VARIANTS = (
     "torch's own loader, `torch.utils.data.DataLoader(StreamingDataset(url, batch_size=B), batch_size=None)`, "
     "without torchdata's `StatefulDataLoader` (which `datacache.DataLoader` once was). "
     "`datacache+window` (cold, warm, shuffle): `node_shuffle='window'`, the cold epoch through the sliding window "
-    "instead of the default's part mix (datacache/plan/part_shuffle.py).")
+    "instead of the default's part mix (datacache/plan/part_shuffle.py). `datacache+node-sticky` and "
+    "`datacache+global` (shuffle): datacache on `--nodes` (4) simulated nodes (as in the nodes scenario, each "
+    "node's cache the default) with `placement='node'` (the default) and `placement='global'`, their quality side "
+    "by side. `datacache+nopeers` (peers): the peers scenario with no peer tier configured.")
 
 QUALITY = (
     "Quality: mean distinct classes per batch over the same for a uniform random permutation (computed exactly for "
