@@ -300,8 +300,14 @@ class PeerConfig:
       stop for more than ``stall_timeout``; a shard an owner downloads for us arrives within
       ``fetch_timeout``; then the next holder or the store is asked. A holder's transfer not done
       after ``hedge_delay`` + its bytes / ``hedge_bandwidth`` is hedged: the next source starts too,
-      the first verified copy wins.
+      the first verified copy wins. A hedge may go to the store (when no other node holds the shard)
+      and then costs store bytes: set ``hedge_bandwidth`` below what a healthy peer delivers under
+      load (its link's speed over the transfers it carries at once).
     - ``validity``: how long a request's signature is accepted (clocks may differ by that much).
+    - ``join_timeout``: when a dataset is opened, how long to wait for the other nodes' servers to
+      answer once (the nodes of a job start seconds apart; a shard asked for before its holder is
+      up would come from the store); a node not up by then is asked again later, and meanwhile
+      its shards come from elsewhere.
     """
 
     peers: tuple[str, ...] | str | None = field(default_factory=_peer_env("peers"))
@@ -314,8 +320,9 @@ class PeerConfig:
     stall_timeout: float = 2.0
     fetch_timeout: float = 60.0
     hedge_delay: float = 0.5
-    hedge_bandwidth: int | str = "100MB"
+    hedge_bandwidth: int | str = "20MB"
     validity: float = 30.0
+    join_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         peers = self.peers
@@ -330,6 +337,8 @@ class PeerConfig:
         object.__setattr__(self, "hedge_bandwidth", parse_size(self.hedge_bandwidth))
         if self.bind is not None and not str(self.bind).strip():
             object.__setattr__(self, "bind", None)
+        if self.join_timeout < 0:
+            raise ValueError(f"PeerConfig.join_timeout must be >= 0, got {self.join_timeout!r}")
         for name in ("connect_timeout", "stall_timeout", "fetch_timeout", "validity"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PeerConfig.{name} must be > 0, got {getattr(self, name)!r}")

@@ -18,7 +18,7 @@ from datacache import CacheConfig, PeerConfig
 from datacache.dist import DistInfo
 from datacache.peer.auth import HEADER, Signer
 from datacache.peer.membership import exchange, resolve
-from datacache.peer.placement import owners, rendezvous
+from datacache.peer.placement import fit, name_hashes, owners, rendezvous
 from datacache.peer.server import serve
 from datacache.peer.tier import PeerTier
 from datacache.read.shard_source import ShardSource
@@ -96,6 +96,22 @@ def test_rendezvous_moves_only_the_new_nodes_share() -> None:
     assert 0.15 < moved.mean() < 0.25 and np.bincount(a).min() > 900
     assert np.array_equal(owners(names, four[::-1]), 3 - a), "the owner depends on the order of the list"
     assert rendezvous(names[:3], four).shape == (3, 4)
+
+
+def test_owners_fit_the_nodes_caches_when_they_differ() -> None:
+    """Node 0's cache holds 0.1 D, the others' 0.4 D: node 0 keeps owning only what fits, the rest of
+    its share goes to nodes with room; no node owns more than its cache; nothing else moves."""
+    names = [f"shard-{i:06d}" for i in range(2000)]
+    sizes = np.full(len(names), 1000)
+    addrs = [f"10.0.0.{k}:7761" for k in range(4)]
+    base = owners(names, addrs, sizes)
+    d = int(sizes.sum())
+    budgets = [d // 10, 4 * d // 10, 4 * d // 10, 4 * d // 10]
+    fitted = fit(base, sizes, budgets, name_hashes(names), addrs)
+    load = np.bincount(fitted, weights=sizes, minlength=4)
+    assert all(load <= budgets) and load[0] >= budgets[0] - 1000
+    assert np.all(fitted[base != 0] == base[base != 0]), "a shard of a node with room moved"
+    assert np.array_equal(fit(base, sizes, [d] * 4, name_hashes(names), addrs), base)  # room everywhere: unchanged
 
 
 def test_addresses_and_token_are_exchanged_through_the_jobs_store() -> None:
@@ -216,3 +232,79 @@ def test_a_slow_holder_is_hedged_by_the_store(tmp_path: Path) -> None:
     finally:
         slow.close()
         src.close()
+
+
+def test_an_owner_takes_back_its_shards_from_the_peers_that_hold_them(tmp_path: Path) -> None:
+    """Node 1 holds 4 shards node 0 owns (stand-ins: node 0 was not up when they were read): node 0's
+    repair fetches them from node 1, never from the store, up to its limit."""
+    url, m = _dataset(tmp_path)
+    a, b = _source(tmp_path, url, "a"), _source(tmp_path, url, "b")
+    addrs = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    _tier(a, addrs, 0, owner=0)
+    tb = _tier(b, addrs, 1, owner=0)
+    for i in range(4):
+        b.fetch(i, via_peers=False).release()
+    server = serve(b.cache, tb.membership)
+    assert server is not None
+    try:
+        assert a.repair(limit=3) == 3
+        held = [i for i in range(len(m.shards)) if a.cache.contains(a.key(i))]
+        st = _peer_stats(a)
+        assert len(held) == 3 and set(held) < {0, 1, 2, 3}
+        assert st["bytes_from_peers"] == sum(m.shards[i].bytes for i in held) and st["bytes_from_store"] == 0
+        assert a.repair() == 1 and a.repair() == 0  # the last one; then nothing a peer holds is missing
+    finally:
+        server.close()
+        a.close()
+        b.close()
+
+
+def test_a_standby_process_takes_over_the_nodes_server(tmp_path: Path) -> None:
+    """Two datacache processes of one node: the first serves, the second waits on the node's server
+    lock; when the first is killed, the second serves on the same address (one server per node,
+    alive while any datacache process of the node is)."""
+    import subprocess
+    import sys
+    import time
+
+    from datacache.peer import server as server_mod
+
+    cfg = {"ram_bytes": "1MB", "ssd_bytes": 0, "ram_dir": str(tmp_path / "ram"), "ssd_dir": str(tmp_path / "ssd")}
+    addr = f"127.0.0.1:{free_ports(1)[0]}"
+    script = (f"import sys, time; from datacache import CacheConfig, NodeCache, PeerConfig; from datacache.dist import "
+              f"DistInfo; from datacache.peer import resolve, serve; c = NodeCache(CacheConfig(**{cfg!r})); "
+              f"assert serve(c, resolve(PeerConfig(peers=[{addr!r}], token={TOKEN!r}), DistInfo())) is not None; "
+              "print('serving', flush=True); time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "serving"
+        from datacache import NodeCache
+
+        cache = NodeCache(CacheConfig(**cfg))  # type: ignore[arg-type]
+        membership = resolve(PeerConfig(peers=[addr], token=TOKEN), DistInfo())
+        assert membership is not None and serve(cache, membership) is None  # the child serves; we stand by
+
+        def answers() -> bool:
+            try:
+                urllib.request.urlopen(f"http://{addr}/v1/held/x", timeout=2)
+            except urllib.error.HTTPError as exc:
+                return exc.code == 401
+            except OSError:
+                return False
+            return False
+
+        assert answers()
+        child.kill()
+        child.wait()
+        deadline = time.monotonic() + 60
+        while not answers():
+            assert time.monotonic() < deadline, "nobody took over the node's server"
+            time.sleep(0.05)
+        lease = server_mod._leases[str(Path(cache.control_dir) / f"peer-server-{addr.rsplit(':', 1)[1]}.lock")]
+        assert lease.server is not None  # this process serves now
+        lease.server.close()
+        cache.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()

@@ -172,13 +172,15 @@ def test_torchrun_two_nodes_each_keeps_its_share(s3_server: Any, slowlink: Any, 
     """``torchrun --nnodes 2 --node-rank 0/1 --nproc-per-node 2`` (static rendezvous on 127.0.0.1),
     each node with its own RAM and SSD directories, through the metering proxy: every epoch is
     exactly once across the 4 ranks; epoch 2 reads <= 1 % of D (each node's cache holds its
-    share); each node computed its shard-to-node assignment once, in its own control directory."""
+    share); each node computed its shard-to-node assignment once, in its own control directory.
+    With ``DATACACHE_PEERS=auto`` semantics (``PeerConfig(peers="auto")``): the nodes' peer
+    addresses and token come through the job's c10d store, every rank sees both nodes."""
     url, m = _dataset(s3_server)
     link = slowlink(bandwidth=500e6, latency=0.001)
     out = tmp_path / "out"
     out.mkdir()
     cfg = {"url": url, "storage_options": s3_server.storage_options(link.endpoint_url), "nodes": 2,
-           "cache_dir": str(tmp_path / "node{node}"), "out_dir": str(out), "epochs": 2}
+           "cache_dir": str(tmp_path / "node{node}"), "out_dir": str(out), "epochs": 2, "peers": "auto"}
     port = str(_free_port())
     epoch1, total = _run([["--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "2", "--master-addr",
                            "127.0.0.1", "--master-port", port] for k in (0, 1)], cfg, tmp_path, link)
@@ -187,3 +189,6 @@ def test_torchrun_two_nodes_each_keeps_its_share(s3_server: Any, slowlink: Any, 
     assert total["bytes_down"] - epoch1["bytes_down"] <= 0.01 * m.total_bytes, (epoch1, total)
     for k in (0, 1):
         assert len(list((tmp_path / f"node{k}").glob("*/control/nodeplan/assign-*.npy"))) == 1
+    peers = [json.loads((out / f"rank{r}_stats.json").read_text())["peers"] for r in range(4)]
+    assert [(p["enabled"], p["node"], p["nodes"]) for p in peers] == [(True, r // 2, 2) for r in range(4)], peers
+    assert peers[0]["refused"] == 0

@@ -30,7 +30,7 @@ from yarl import URL
 from ..config import PeerConfig
 from ..hashing import hash_file
 from .auth import HEADER, Signer
-from .wire import CHUNK, FETCHING, MAX_HELD
+from .wire import BUDGET, CHUNK, FETCHING, MAX_HELD
 
 __all__ = ["PeerFailed", "PeerCorrupt", "Runtime", "runtime", "get_shard", "held"]
 
@@ -143,9 +143,11 @@ async def get_shard(rt: Runtime, cfg: PeerConfig, signer: Signer, addr: str, dat
         raise PeerCorrupt(f"{addr} sent bytes that hash to {actual}, the manifest declares {digest}")
 
 
-async def held(rt: Runtime, cfg: PeerConfig, signer: Signer, addr: str, dataset: str) -> np.ndarray:
-    """The sorted name ids of ``dataset``'s shards the peer at ``addr`` holds (``PeerFailed``)."""
+async def held(rt: Runtime, cfg: PeerConfig, signer: Signer, addr: str, dataset: str) -> tuple[np.ndarray, int | None]:
+    """The sorted name ids of ``dataset``'s shards the peer at ``addr`` holds, and its node cache's
+    configured bytes (None if it did not say) (``PeerFailed``)."""
     target = f"/v1/held/{quote(dataset, safe='')}"
+    budget: list[int | None] = [None]
 
     async def ask() -> bytes:
         async with rt.session().get(_url(addr, target), headers={HEADER: signer.sign("GET", target)},
@@ -154,6 +156,8 @@ async def held(rt: Runtime, cfg: PeerConfig, signer: Signer, addr: str, dataset:
                 raise PeerFailed(f"{addr} answered {resp.status}", resp.status)
             if (resp.content_length or 0) > 8 * MAX_HELD:
                 raise PeerFailed(f"{addr}'s summary is over {8 * MAX_HELD} bytes")
+            text = resp.headers.get(BUDGET, "")
+            budget[0] = int(text) if text.isdigit() and len(text) < 20 else None
             parts, got = [], 0
             while got <= 8 * MAX_HELD:
                 part = await resp.content.read(CHUNK)
@@ -169,4 +173,4 @@ async def held(rt: Runtime, cfg: PeerConfig, signer: Signer, addr: str, dataset:
         raise PeerFailed(f"no summary from {addr}: {type(exc).__name__}") from None
     if len(body) % 8 or len(body) > 8 * MAX_HELD:
         raise PeerFailed(f"{addr}'s summary is malformed ({len(body)} bytes)")
-    return np.sort(np.frombuffer(body, dtype="<u8").astype(np.uint64))
+    return np.sort(np.frombuffer(body, dtype="<u8").astype(np.uint64)), budget[0]

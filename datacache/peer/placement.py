@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-__all__ = ["name_hashes", "rendezvous", "owners", "SLACK"]
+__all__ = ["name_hashes", "rendezvous", "owners", "fit", "SLACK"]
 
 SLACK = 0.05  # a node owns at most (1 + SLACK) D / N bytes, plus one shard
 
@@ -76,4 +76,29 @@ def owners(names: Sequence[str] | np.ndarray, addresses: Sequence[str], sizes: S
         k = next((int(k) for k in row if load[k] < cap), int(row[0]))
         out[i] = k
         load[k] += sz[i]
+    return out
+
+
+def fit(owner: np.ndarray, sizes: Sequence[int], budgets: Sequence[int], ids: np.ndarray,
+        addresses: Sequence[str]) -> np.ndarray:
+    """``owner`` with every node's owned bytes fitted to its cache (``budgets``, bytes by node) where
+    the job's caches hold them all: a node that owns more than its cache hands shards (highest name
+    id first) to the first node of each shard's ranking with room for it, until it fits or no node
+    has room. So the store serves at most max(0, D - sum of the caches) per epoch even when the
+    nodes' caches differ (a node with a small cache, one with room to spare). Pure and
+    deterministic: every node computes the same owners from the same budgets."""
+    sz = np.asarray(sizes, dtype=np.int64)
+    out = np.asarray(owner, dtype=np.int32).copy()
+    spare = np.asarray(budgets, dtype=np.int64) - np.bincount(out, weights=sz, minlength=len(budgets)).astype(np.int64)
+    for k in range(len(budgets)):
+        if spare[k] >= 0:
+            continue
+        mine = np.flatnonzero(out == k)
+        for i in mine[np.argsort(ids[mine], kind="stable")[::-1]].tolist():
+            if spare[k] >= 0:
+                break
+            row = rendezvous(ids[i:i + 1], addresses)[0]
+            j = next((int(j) for j in row if j != k and spare[j] >= sz[i]), None)
+            if j is not None:
+                out[i], spare[j], spare[k] = j, spare[j] - sz[i], spare[k] + sz[i]
     return out

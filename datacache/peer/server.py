@@ -11,7 +11,11 @@ Endpoints (every request signed, ``datacache.peer.auth``; 401/403 and no byte ot
   a process of the node registers how, ``register``) and serves it; the headers go out at once with
   ``X-Datacache-Fetching: 1``, so the asker tells a busy owner from a dead one.
 - ``GET /v1/held/<dataset id>``: the shards of the dataset the node holds now, as sorted
-  little-endian uint64 name ids (``placement.name_hashes``; 8 bytes a shard, capped).
+  little-endian uint64 name ids (``placement.name_hashes``; 8 bytes a shard, capped), and the
+  node cache's configured size (``X-Datacache-Budget``: owners are fitted to it, ``placement.fit``).
+
+Every ``REPAIR_S`` seconds the server fetches back, from the peers holding them, the shards its
+node owns but lacks (``Servable.repair``: stand-ins left on other nodes while it was not up).
 
 Lifecycle (``serve``): once per node. The first datacache process of the node to take the node's
 server lock (a ``flock`` in the cache's control directory, released by the kernel when its holder
@@ -44,7 +48,7 @@ from ..manifest import validate_shard_name
 from .auth import HEADER, Signer, check
 from .membership import Membership
 from .placement import name_hashes
-from .wire import CHUNK, FETCHING, MAX_HELD
+from .wire import BUDGET, CHUNK, FETCHING, MAX_HELD
 
 __all__ = ["PeerServer", "Servable", "register", "serve"]
 
@@ -61,7 +65,10 @@ class Servable(Protocol):
         """The shard's bytes, or None if the dataset has no shard ``name`` of hash ``digest``."""
 
     def fetch_for_peer(self, name: str, digest: str) -> CacheHandle:
-        """The shard, pinned, downloaded from the store on a miss (never from a peer)."""
+        """The shard, pinned, downloaded on a miss (from a holder or the store, never another owner)."""
+
+    def repair(self, limit: int = 16) -> int:
+        """Fetch owned shards the node lacks from the peers that hold them; how many came."""
 
 
 _registry: dict[str, "weakref.ref[Any]"] = {}
@@ -79,6 +86,15 @@ def _registered(dataset_id: str) -> Servable | None:
     with _registry_lock:
         ref = _registry.get(dataset_id)
     return ref() if ref is not None else None
+
+
+def _all_registered() -> list[Servable]:
+    with _registry_lock:
+        refs = list(_registry.values())
+    return [s for s in (r() for r in refs) if s is not None]
+
+
+REPAIR_S = 5.0  # seconds between the server's repair rounds
 
 
 class PeerServer:
@@ -127,6 +143,20 @@ class PeerServer:
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
+        self._repairs = asyncio.ensure_future(self._repair())
+
+    async def _repair(self) -> None:
+        """Every ``REPAIR_S`` seconds, each registered dataset's ``repair`` (owned shards held by
+        peers only, fetched back); errors are logged, never raised."""
+        while True:
+            await asyncio.sleep(REPAIR_S)
+            for source in _all_registered():
+                try:
+                    await self._run(source.repair)
+                except web.HTTPServiceUnavailable:
+                    return
+                except Exception as exc:  # noqa: BLE001 - best effort, next round
+                    log.warning("datacache: peer repair failed: %s", exc)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
@@ -213,7 +243,9 @@ class PeerServer:
             raise web.HTTPBadRequest(text="datacache peer: bad dataset id")
         names = await self._run(self._held_names, ds)
         ids = np.sort(name_hashes(names[:MAX_HELD])).astype("<u8")
-        return web.Response(body=ids.tobytes(), content_type="application/octet-stream")
+        budget = int(self.cache.config.ram_bytes) + int(self.cache.config.ssd_bytes)
+        return web.Response(body=ids.tobytes(), content_type="application/octet-stream",
+                            headers={BUDGET: str(budget)})
 
     def _held_names(self, ds: str) -> list[str]:
         prefix = f"{ds}/"
@@ -226,6 +258,8 @@ class PeerServer:
             return
 
         async def stop() -> None:
+            if getattr(self, "_repairs", None) is not None:
+                self._repairs.cancel()
             if self._runner is not None:
                 await self._runner.cleanup()
 

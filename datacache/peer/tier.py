@@ -42,7 +42,7 @@ from ..errors import ReadCancelledError
 from .auth import Signer
 from .client import PeerCorrupt, PeerFailed, get_shard, held, runtime
 from .membership import Membership
-from .placement import name_hashes, owners, rendezvous
+from .placement import fit, name_hashes, owners, rendezvous
 
 if TYPE_CHECKING:
     from ..cache.node import NodeCache
@@ -79,13 +79,15 @@ class PeerTier:
         self._held_at = -1e9
         self._refresh: asyncio.Future[None] | None = None
         self._down: dict[str, float] = {}
+        self._answered: set[str] = set()  # peers that answered a summary request once
+        self.budgets: dict[str, int] = {}  # address -> the node cache's configured bytes, as its server said
 
     def __repr__(self) -> str:
         return f"PeerTier({self.dataset}, peers={list(self.membership.peers)}, me={self.membership.me})"
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_refresh=None, _held={}, _held_at=-1e9, _down={})
+        state.update(_refresh=None, _held={}, _held_at=-1e9, _down={}, _answered=set(), budgets={})
         return state
 
     def owned(self) -> np.ndarray:
@@ -93,22 +95,59 @@ class PeerTier:
         return np.flatnonzero(self.owner == self.membership.me)
 
     # ------------------------------------------------------------------ the fetch
-    def fetch_into(self, shard: int, path: str, store_fetch: StoreFetch,
+    def fetch_into(self, shard: int, path: str, store_fetch: StoreFetch | None,
                    cancelled: Callable[[], bool] | None = None) -> str:
         """Shard number ``shard`` into the file ``path``: from a peer, else the store (see the
         module docstring); returns where it came from (``"peer"`` or ``"store"``). Raises the
-        store's error when every source failed, ``ReadCancelledError`` once ``cancelled()``."""
-        if not self.membership.others and not self.membership.readonly:
+        store's error when every source failed, ``ReadCancelledError`` once ``cancelled()``.
+        ``store_fetch=None``: from a peer that holds it or nothing (``PeerFailed``)."""
+        if store_fetch is not None and not self.membership.others and not self.membership.readonly:
             return self._store_only(shard, path, store_fetch, cancelled)
         return runtime().call(self._fetch(shard, path, store_fetch, cancelled or (lambda: False)))
+
+    def join(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` seconds until every peer has answered once (any answer: it is up),
+        and take their summaries; the peers that did not answer."""
+        async def wait() -> list[str]:
+            deadline = time.monotonic() + timeout
+            while True:
+                self._held_at = -1e9
+                await self._refreshed()
+                silent = [a for a in (*(self.membership.peers[k] for k in self.membership.others),
+                                      *self.membership.readonly) if a not in self._answered]
+                if not silent or time.monotonic() >= deadline:
+                    return silent
+                await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        return runtime().call(wait())
+
+    def fit_owners(self, own_budget: int) -> bool:
+        """Refit the owners to the nodes' cache sizes (``placement.fit``) once every node of the job
+        has told its own (``join``); whether it did. Every node computes the same from the same
+        sizes; a node that did not answer leaves the owners as they were."""
+        m = self.membership
+        budgets = [own_budget if k == m.me else self.budgets.get(a) for k, a in enumerate(m.peers)]
+        if m.me < 0 or any(b is None for b in budgets):
+            return False
+        self.owner = fit(self.owner, self.sizes, [int(b) for b in budgets if b is not None], self.ids, m.peers)
+        return True
+
+    def held_elsewhere(self, shards: Sequence[int]) -> list[int]:
+        """Those of ``shards`` some peer holds now (its summary at most ``HELD_TTL`` seconds old)."""
+        async def ask() -> list[int]:
+            await self._refreshed()
+            peers = [a for a in (*self.membership.peers, *self.membership.readonly)
+                     if a not in self.membership.peers[self.membership.me:self.membership.me + 1]]
+            return [i for i in shards if any(self._holds(a, self.ids[i]) for a in peers)]
+        return runtime().call(ask()) if shards else []
 
     def _store_only(self, shard: int, path: str, store_fetch: StoreFetch, cancelled: Callable[[], bool] | None) -> str:
         store_fetch(path, cancelled or (lambda: False))
         self.cache.count(peer_bytes_from_store=self.sizes[shard])
         return "store"
 
-    async def _candidates(self, shard: int) -> list[tuple[str, bool, Signer | None]]:
-        """(address, fetch, signer) to ask in turn, the store (``_STORE``) last."""
+    async def _candidates(self, shard: int, store: bool = True) -> list[tuple[str, bool, Signer | None]]:
+        """(address, fetch, signer) to ask in turn, the store (``_STORE``) last; ``store=False``:
+        the holders only."""
         await self._refreshed()
         m, now, sid = self.membership, time.monotonic(), self.ids[shard]
         up = [a for a in m.peers if self._down.get(a, 0.0) <= now]
@@ -121,6 +160,8 @@ class PeerTier:
                 out.append((addr, k == owner, self._signer))
         out += [(a, False, self._ro_signer) for a in m.readonly if self._down.get(a, 0.0) <= now and
                 self._holds(a, sid)]
+        if not store:
+            return [(a, False, s) for a, _, s in out]
         if 0 <= owner < len(m.peers) and owner != m.me and m.peers[owner] in up and \
                 not any(addr == m.peers[owner] for addr, *_ in out):
             out.append((m.peers[owner], True, self._signer))
@@ -146,12 +187,19 @@ class PeerTier:
         asks = [(m.peers[k], self._signer) for k in m.others] + [(a, self._ro_signer) for a in m.readonly]
         got = await asyncio.gather(*(held(rt, self.cfg, s, a, self.dataset) for a, s in asks), return_exceptions=True)
         now = time.monotonic()
-        for (addr, _), ids in zip(asks, got):  # a peer not up yet holds nothing (and is asked again later)
-            self._held[addr] = np.zeros(0, dtype=np.uint64) if isinstance(ids, BaseException) else ids
+        for (addr, _), ans in zip(asks, got):  # a peer not up yet holds nothing (and is asked again later)
+            self._held[addr] = np.zeros(0, dtype=np.uint64) if isinstance(ans, BaseException) else ans[0]
+            if not isinstance(ans, BaseException) and ans[1] is not None:
+                self.budgets[addr] = ans[1]
+            if not isinstance(ans, BaseException) or (isinstance(ans, PeerFailed) and ans.status is not None):
+                self._answered.add(addr)
         self._held_at = now
 
-    async def _fetch(self, shard: int, path: str, store_fetch: StoreFetch, cancelled: Callable[[], bool]) -> str:
-        cands = await self._candidates(shard)
+    async def _fetch(self, shard: int, path: str, store_fetch: StoreFetch | None,
+                     cancelled: Callable[[], bool]) -> str:
+        cands = await self._candidates(shard, store=store_fetch is not None)
+        if not cands:
+            raise PeerFailed(f"no peer holds {self.names[shard]}")
         size = self.sizes[shard]
         lost = threading.Event()
         tasks: dict[asyncio.Future[Any], tuple[tuple[str, bool, Signer | None], str, float]] = {}
@@ -163,6 +211,7 @@ class PeerTier:
             cand, tmp = cands[nxt], f"{path}.src{nxt}"
             nxt += 1
             if cand is _STORE:
+                assert store_fetch is not None
                 fut = asyncio.get_running_loop().run_in_executor(None, _store_job, store_fetch, tmp, cancelled, lost)
             else:
                 addr, fetch, signer = cand

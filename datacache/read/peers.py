@@ -4,8 +4,10 @@ sources, what the node keeps for the job, and its figures.
 - ``attach``: resolve a ``PeerConfig`` (off: nothing changes), give each ``ShardSource`` a
   ``PeerTier`` whose owners follow the plan (node-sticky placement: a shard's owner is the node that
   reads it, ``plan.node_assign``, so nothing is kept twice; global placement: rendezvous hashing),
-  register the sources with this process's server, and start the node's server (``serve``: once per
-  node; never in a DataLoader worker).
+  register the sources with this process's server, start the node's server (``serve``: once per
+  node; never in a DataLoader worker), wait for the other nodes' servers (``PeerConfig.join_timeout``)
+  and fit the owners to the nodes' cache sizes they report (``datacache.peer.placement.fit``; a
+  single dataset: the streams of a mix share the caches).
 - ``owned_keys``: the cache keys this node keeps for the job (``tell_plan(owned=...)``).
 - ``with_cluster_times``: a node schedule with the next uses, anywhere in the job, of the shards this
   node owns but does not read itself (global placement): the cache ranks them by when a peer needs them.
@@ -16,6 +18,7 @@ Pure functions over the plan and the sources, except ``attach`` (it may start th
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +38,7 @@ from .shard_source import ShardSource
 
 __all__ = ["attach", "owned_keys", "with_cluster_times", "peer_stats", "PEER_STATS"]
 
+log = logging.getLogger("datacache.peer")
 PEER_STATS = ("bytes_from_peers", "bytes_from_store", "bytes_served", "served", "corrupt", "fallbacks", "hedged",
               "refused")
 
@@ -58,6 +62,13 @@ def attach(sources: Sequence[ShardSource], cfg: PeerConfig | None, dist: DistInf
         register(m.dataset_id, src)
     if sources:
         serve(sources[0].cache, membership)
+        silent = sources[0].peers.join(cfg.join_timeout) if sources[0].peers is not None else []
+        if silent:
+            log.warning("datacache: peers %s did not answer within %.0f s (PeerConfig.join_timeout); their shards "
+                        "come from elsewhere until they do", ", ".join(silent), cfg.join_timeout)
+        tier = sources[0].peers
+        if len(sources) == 1 and tier is not None:  # owners fitted to the cache sizes the nodes reported
+            tier.fit_owners(int(sources[0].cache.config.ram_bytes) + int(sources[0].cache.config.ssd_bytes))
     return membership
 
 

@@ -134,7 +134,7 @@ class ShardSource:
     def fetch(self, shard: int, *, priority: float | None = None, use_at: float | None = None,
               into: str | None = None, on_bytes: Callable[[int], None] | None = None,
               on_fetch: Callable[[], None] | None = None, cancelled: Callable[[], bool] | None = None,
-              via_peers: bool = True) -> CacheHandle:
+              via_peers: bool = True, peers_only: bool = False) -> CacheHandle:
         """Shard number ``shard``, pinned in the node cache, downloaded on a miss.
 
         ``priority``: lower is sooner, for the store's request slots (the plan position);
@@ -143,7 +143,8 @@ class ShardSource:
         as bytes arrive; ``on_fetch()``: called when this call downloads (a miss it serves);
         ``cancelled()``: true abandons the download at once (``ReadCancelledError``, nothing cached).
         With the peer tier (``peers``) a miss asks the peers first (``datacache.peer.tier``);
-        ``via_peers=False``: the store only (what a peer server downloads for the job).
+        ``via_peers=False``: the store only; ``peers_only``: a peer that holds it, or
+        ``datacache.peer.client.PeerFailed`` (``repair``).
         """
         info = self.manifest.shards[shard]
 
@@ -163,7 +164,8 @@ class ShardSource:
                 on_fetch()
             if self.peers is None or not via_peers:
                 return from_store(path)
-            if self.peers.fetch_into(shard, path, from_store, cancelled) == "peer" and on_bytes is not None:
+            if self.peers.fetch_into(shard, path, None if peers_only else from_store, cancelled) == "peer" \
+                    and on_bytes is not None:
                 on_bytes(info.bytes)
 
         try:
@@ -194,6 +196,28 @@ class ShardSource:
         if i is None:
             raise KeyError(name)
         return self.fetch(i, via_peers=self.peers is not None and int(self.peers.owner[i]) == self.peers.membership.me)
+
+    def repair(self, limit: int = 16) -> int:
+        """Fetch up to ``limit`` shards this node owns but does not hold from peers that hold them
+        (stand-ins, ``datacache.peer.tier``; never from the store), into free room only; how many
+        came. What the node's server does every few seconds, so the job's copies end up with their
+        owners."""
+        tier = self.peers
+        if tier is None or tier.membership.me < 0:
+            return 0
+        missing = [i for i in tier.owned().tolist() if self.cache.contains(self.key(i)) is None]
+        room, done = sum(self.cache.room().values()), 0
+        for i in tier.held_elsewhere(missing):
+            size = self.manifest.shards[i].bytes
+            if done >= limit or size > room:
+                break
+            try:
+                self.fetch(i, peers_only=True).release()
+            except Exception as exc:  # noqa: BLE001 - a repair is best effort: the holder is gone, say
+                log.debug("datacache: repair of %s failed: %s", self.url(i), exc)
+                continue
+            room, done = room - size, done + 1
+        return done
 
     def _missing(self, shard: int) -> NotFoundError:
         """The error for a shard the manifest names and the store lacks."""

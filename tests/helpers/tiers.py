@@ -74,6 +74,7 @@ SPAWNING: frozenset[str] = frozenset({
     "tests/test_mapped.py::test_planned_order_with_a_sampler",
     "tests/test_node_mix.py::test_warm_epoch_is_node_mixed_through_workers",
     "tests/test_parquet_batches.py",
+    "tests/test_peers.py::test_a_standby_process_takes_over_the_nodes_server",
     "tests/test_plan_share.py::test_a_stuck_computer_never_blocks_the_node",
     "tests/test_plan_share.py::test_the_assignment_is_computed_once_per_node_and_mapped_by_the_others",
     "tests/test_reader_writable.py::test_dataloader_workers_print_no_not_writable_warning",

@@ -2,7 +2,8 @@
 one node of several, ``torchrun --nnodes N --node-rank K``.
 
 Reads a JSON config (argv[1]): url, storage_options, cache_dir (``{node}`` in it: the node's rank),
-out_dir, epochs, nodes (default 1). Every rank streams each epoch through a 2-worker DataLoader over
+out_dir, epochs, nodes (default 1), peers (``PeerConfig.peers``, e.g. "auto": addresses and token
+exchanged through the job's c10d store). Every rank streams each epoch through a 2-worker DataLoader over
 its node's cache (shared by the node's ranks), and writes the sample ids it got to
 ``out_dir/rank{r}_epoch{e}.json``. Between epochs rank 0 writes
 ``epoch{e}.done`` and waits for the test to answer ``epoch{e}.go`` (so the test can read the proxy's
@@ -18,7 +19,7 @@ import time
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from datacache import CacheConfig, StreamingDataset
+from datacache import CacheConfig, PeerConfig, StreamingDataset
 from datacache.dist import detect
 
 
@@ -35,7 +36,8 @@ def main() -> int:
     cache = CacheConfig(ram_bytes="64MB", ssd_bytes="64MB", ram_dir=os.path.join(node_dir, "ram"),
                         ssd_dir=os.path.join(node_dir, "ssd"))
     ds = StreamingDataset(cfg["url"], storage_options=cfg["storage_options"], cache=cache, seed=5,
-                          node_shuffle=cfg.get("node_shuffle", "auto"))
+                          node_shuffle=cfg.get("node_shuffle", "auto"),
+                          peers=PeerConfig(peers=cfg["peers"]) if cfg.get("peers") else None)
     assert (ds.dp_rank, ds.dp_size, ds.num_nodes) == (rank, world, cfg.get("nodes", 1))
     loader = DataLoader(ds, batch_size=16, num_workers=2)
     for epoch in range(cfg["epochs"]):
@@ -56,7 +58,7 @@ def main() -> int:
             dist.barrier()
     stats = ds.stats()
     with open(os.path.join(out, f"rank{rank}_stats.json"), "w") as f:
-        json.dump({k: v for k, v in stats.items() if isinstance(v, (int, float))}, f)
+        json.dump({**{k: v for k, v in stats.items() if isinstance(v, (int, float))}, "peers": stats["peers"]}, f)
     ds.close()
     dist.barrier()
     dist.destroy_process_group()
