@@ -3,6 +3,7 @@ server and slow link, each run in its own process. The peers are not needed (not
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,15 @@ def test_scale_model_and_plan_scale_small(capsys: pytest.CaptureFixture[str]) ->
     assert two["epochs"][1]["remote_bytes"] == 2 * (two["share_bytes"]["max"] - 640_000_000)
     assert eight["epochs"][1]["remote_bytes"] == 0 and eight["epochs"][1]["gets_per_s_peak"] == 0
     assert "within one prefix" in two["advice"]
+    # the peer tier: one download per shard per cluster, then max(0, D - N C); global placement without
+    # peers goes back to the store for what the node did not read before (2 nodes: half, then capped by C)
+    rows = {(p["placement"], p["peers"], p["epoch"]): p for p in two["peers"]}
+    assert rows[("node", True, 1)]["store_bytes"] == d and rows[("node", False, 1)]["store_bytes"] > d
+    assert rows[("node", True, 2)]["store_bytes"] == d - 2 * 640_000_000 < rows[("node", False, 2)]["store_bytes"]
+    assert rows[("global", False, 2)]["store_bytes"] == round(d * max(0.5, 1 - 2 * 640_000_000 / d))
+    for p in ("node", "global"):
+        assert rows[(p, True, 2)]["gets"] == math.ceil(rows[(p, True, 2)]["store_bytes"] / 8e6) > 0
+    assert all(p["store_bytes"] == 0 for p in eight["peers"] if p["peers"] and p["epoch"] > 1)
     assert "max_requests_per_s" in scale_model.advice(20000, 64, 8 << 20, 64 << 20)
     r = plan_scale.run_case(1_000_000, 1000, nodes=8, ranks=2, workers=2)
     assert r["shards"] == 1000 and r["first_batch_s"] > 0 and r["first_peak_mb"] > 0

@@ -1,9 +1,9 @@
 """datacache against its peers on one emulated WAN link: ``python tools/bench.py --out DIR``.
 
-    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle,nodes,shuffle,mix,
+    python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle,nodes,shuffle,mix,peers,
                                      small-1024,raw-bytes,warm-bytes,limited-bytes,images]
                           [--systems datacache,streaming,litdata,fsspec]
-                          [--variants default,tuned,matched,dropin,torch,window,never]
+                          [--variants default,tuned,matched,dropin,torch,window,placement,never,mds]
                           [--reps 3] [--storm 30] [--profile SCENARIO] [--readme README.md] --out DIR
 
 Install: ``pip install -c constraints.txt -e '.[bench]'`` (constraints.txt pins the installed torch,
@@ -47,6 +47,13 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
   same 64 KiB samples as a ``bytes`` field), run beside them for issue 40's ratios; images: JPEGs made
   at bench time, decoded and randomly cropped in the workers, batch 64 (``tools/bench_derived.py``,
   ``tools/bench_images.py``).
+- peers: ``--nodes`` (4) simulated nodes as in nodes, ``placement="global"``, a RAM tier of 0.3 D
+  each, 3 epochs; every node's peer server behind a metering slow link of its own
+  (``--peer-bandwidth``, default 4 x ``--bandwidth``; ``--peer-latency``, 2 ms): store MB and peer
+  MB per epoch and each node's wall against its bound, datacache with the peer tier on, off
+  (``datacache+nopeers``), Streaming and LitData (``tools/bench_peers.py``; its own table). The
+  ``shuffle`` report puts the quality of global placement (this scenario) beside node-sticky
+  (the nodes scenario) when the run has them.
 
 Equal terms: every system gets the same batch size, DataLoader workers and
 ``persistent_workers=True``, each through its documented loader (``tools/bench_systems.py``); the
@@ -112,7 +119,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from datacache.config import parse_size  # noqa: E402
-from tools import bench_cpu, bench_derived, bench_mix, bench_nodes, bench_report  # noqa: E402
+from tools import bench_cpu, bench_derived, bench_mix, bench_nodes, bench_peers, bench_report  # noqa: E402
 from tools.bench_launch import Meter, launch, memcpy_rate  # noqa: E402
 from tools.bench_quality import pooled  # noqa: E402
 from tools.bench_text import describe_run  # noqa: E402
@@ -125,9 +132,11 @@ SYSTEMS = ("datacache", "streaming", "litdata", "fsspec")
 # datacache's batched mode through a plain torch DataLoader (batch_size=None), run in TORCH only;
 # "window": datacache with node_shuffle="window" (its cold epoch through the sliding window, not
 # the default's part mix), run in MATCHED only; "never": node_shuffle="never" (bench_derived); "mds": datacache
-# over Streaming's MDS dataset of the same samples, indexed in place by `datacache index` (issue 41), run in MDS only
+# over Streaming's MDS dataset of the same samples, indexed in place by `datacache index` (issue 41), run in MDS only;
+# "nopeers": datacache with no peer tier configured, run in the peers scenario only (its "before");
+# "node-sticky" / "global": datacache on --nodes simulated nodes with that placement, in shuffle only
 VARIANTS = {"datacache": ("default", "dropin", "torch", "match-streaming", "match-litdata", "window", "never",
-                          "mds"),
+                          "mds", "nopeers", "node-sticky", "global"),
             "streaming": ("default", "tuned", "match-datacache"), "litdata": ("default", "tuned"),
             "fsspec": ("default",)}
 MATCHED = ("cold", "warm", "shuffle")
@@ -135,7 +144,7 @@ DROPIN = ("warm",)
 TORCH = ("warm", "small", "raw")
 MDS = ("cold", "warm")
 SCENARIOS = ("cold", "warm", "limited", "ranks", "small", "raw", "throttle", "nodes", "shuffle",
-             "mix") + bench_derived.SCENARIOS
+             "mix", "peers") + bench_derived.SCENARIOS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -144,11 +153,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="160 MB (small: 20 MB), 1 rep: about 5 minutes")
     p.add_argument("--scenario", default=",".join(SCENARIOS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--variants", default="default,tuned,matched,dropin,torch,window,never,mds",
+    p.add_argument("--variants", default="default,tuned,matched,dropin,torch,window,placement,never,mds",
                    help="settings to run: default, tuned, matched (the match-* variants, in cold, warm, shuffle), "
                         "dropin (datacache over samples through torch's DataLoader, in warm), torch (datacache's "
                         "batched mode through torch's DataLoader, in warm, small, raw), window (datacache's cold epoch "
-                        "through the sliding window, in cold, warm, shuffle), never (datacache with "
+                        "through the sliding window, in cold, warm, shuffle), placement (datacache on --nodes "
+                        "nodes, node-sticky and global placement, in shuffle), never (datacache with "
                         "node_shuffle='never', in raw, raw-bytes, small, small-1024), mds (datacache over Streaming's "
                         "MDS dataset, indexed in place, in cold, warm)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
@@ -160,7 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--small-batch-size", type=int, default=256)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--nodes", type=int, default=4, help="simulated nodes in the nodes scenario")
+    p.add_argument("--nodes", type=int, default=4, help="simulated nodes in the nodes and peers scenarios")
+    bench_peers.add_args(p)
     p.add_argument("--compute", type=float, default=0.02, help="simulated compute per batch, s")
     p.add_argument("--bandwidth", default="50MB", help="link bandwidth, bytes/s, shared by all connections")
     p.add_argument("--latency", type=float, default=0.02, help="per-request latency, s")
@@ -186,6 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.sample_bytes, a.small_sample_bytes = parse_size(a.sample_bytes), parse_size(a.small_sample_bytes)
     a.bandwidth = float(parse_size(a.bandwidth))
     bench_derived.parse(a)
+    a.peer_bandwidth = float(parse_size(a.peer_bandwidth)) if a.peer_bandwidth else None
     a.scenarios = [s for s in a.scenario.split(",") if s]
     a.system_list = [s for s in a.systems.split(",") if s]
     for s in a.scenarios:
@@ -218,12 +230,18 @@ def scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
         sc["phases"] = ["cold", "warm"]  # from an empty cache, then from the cache it filled
     if name == "mix":
         sc["phases"], sc["dataset"] = list(bench_mix.PHASES), "mix"
+    if name == "peers":
+        sc.update(bench_peers.scenario_fields(a))
     return sc
 
 
 def runs_in(variant: str, scenario_name: str) -> bool:
     """Whether a variant runs in a scenario: match-* in MATCHED, dropin in DROPIN, torch in TORCH, the
-    mix default only."""
+    mix default only, nopeers in (and with the default only) the peers scenario."""
+    if scenario_name == "peers" or variant == "nopeers":
+        return scenario_name == "peers" and variant in ("default", "nopeers")
+    if variant in bench_peers.PLACEMENTS:
+        return scenario_name == "shuffle"
     if variant.startswith("match-") or variant == "window":
         return scenario_name in MATCHED
     if variant == "dropin":
@@ -286,12 +304,12 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
         return [{**base, **why}]
     if sc.get("nodes", 1) > 1 and bench_nodes.unavailable(system):
         return [{**base, "unavailable": bench_nodes.unavailable(system)}]
-    sc = dict(sc)
+    sc = bench_peers.placement_variant(sc, variant, a.nodes)  # a copy
     D = info["bytes"]
     dc_D = ctx["datasets"][f"datacache/{sc['dataset']}"].get("bytes", D)
     if sc["base"] == "limited":
         sc["cache_bytes"] = dc_D // 2  # the same budget C for every system
-    if sc["name"] == "nodes":
+    if sc["name"] in ("nodes", "peers"):
         sc["cache_bytes"] = int(0.3 * dc_D)  # per node
     link = ctx["link"]
     cache_dir = f"/dev/shm/dcbench-{os.getpid()}-{ctx['counter']}"
@@ -325,8 +343,9 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     t0 = time.time()
     storm_done, storm, storm_timeline = storm_watch(link, sc, D)
     try:
-        res = launch("run", spec, path, timeout=a.run_timeout, ranks=sc["ranks"], wrap=wrap,
-                     nodes=sc.get("nodes", 1))
+        with bench_peers.around_run(sc, spec, ctx["meter"], system, variant):  # the peer links, if any
+            res = launch("run", spec, path, timeout=a.run_timeout, ranks=sc["ranks"], wrap=wrap,
+                         nodes=sc.get("nodes", 1))
     finally:
         storm_done.set()
         storm.join() if storm.is_alive() else None
@@ -351,6 +370,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
         common.update(bench_mix.record_part(info))
     if sc["name"] == "nodes":
         common.update(nodes=sc["nodes"], predicted_remote=_predicted_nodes(info, sc, ctx["server"].storage_options()))
+    common.update(bench_peers.record_fields(sc, spec))
     out = []
     for r in res["records"]:
         rec = {**base, **common, **r}
@@ -360,8 +380,10 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
             rec["samples"] = sum(rec["rank_samples"])  # the node's
             rec["quality"] = pooled([q[r["epoch"]] for q in res["rank_quality"]])  # every rank's batches
             rec.update(bench_cpu.node_total([c[r["epoch"]] for c in res["rank_cpu"]]))  # a session counted once
+        if sc.get("nodes", 1) > 1 and "rank_extra" in res:
+            rec["rank_extra"] = [x[r["epoch"]] for x in res["rank_extra"]]
         out.append(rec)
-    return out
+    return bench_peers.finish(out) if sc.get("nodes", 1) > 1 else out
 
 
 def index_in_place(server: Any, url: str, done: set[str]) -> None:
@@ -409,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     scs = [bench_derived.scenario(scenario, s, a) for s in a.scenarios]
     chosen = a.variants.split(",")
     variants = [(s, v) for s in a.system_list for v in VARIANTS[s]
-                if v == "default" or v in chosen or (v.startswith("match-") and "matched" in chosen)]
+                if v in ("default", "nopeers") or v in chosen or (v.startswith("match-") and "matched" in chosen)
+                or (v in bench_peers.PLACEMENTS and "placement" in chosen)]
     jsonl = os.path.join(a.out, "results.jsonl")
     open(jsonl, "w").close()
     records: list[dict[str, Any]] = []

@@ -18,18 +18,24 @@ from typing import Any
 import numpy as np
 
 from tools import bench_nodes
+from tools.bench_peers import RANK_KEYS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(ROOT, "tools", "bench_systems.py")
 
 
 class Meter:
-    """A loopback HTTP endpoint serving the link's counters to the runner processes."""
+    """A loopback HTTP endpoint serving the link's counters to the runner processes; with ``extra``
+    set (a callable, e.g. the peers scenario's links: ``tools/bench_peers.py``), its counters too."""
 
     def __init__(self, link: Any) -> None:
+        self.extra: Any = None
+        meter = self
+
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802
-                body = json.dumps(link.snapshot()).encode()
+                extra = meter.extra
+                body = json.dumps({**link.snapshot(), **(extra() if extra is not None else {})}).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -137,4 +143,5 @@ def launch(cmd: str, spec: dict[str, Any], path: str, timeout: float, ranks: int
                                   for res in results]
         results[0]["rank_quality"] = [[(r.get("distinct_sum", 0), r.get("expected_sum", 0)) for r in res["records"]]
                                       for res in results]
+        results[0]["rank_extra"] = [[{k: r[k] for k in RANK_KEYS if k in r} for r in res["records"]] for res in results]
     return results[0]

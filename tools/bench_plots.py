@@ -8,7 +8,8 @@ import os
 from collections import defaultdict
 from typing import Any
 
-ORDER = ("datacache", "datacache+never", "datacache+dropin", "datacache+match-streaming", "datacache+match-litdata",
+ORDER = ("datacache", "datacache+never", "datacache+nopeers", "datacache+mds", "datacache+dropin",
+         "datacache+match-streaming", "datacache+match-litdata", "datacache+node-sticky", "datacache+global",
          "streaming", "streaming+tuned", "streaming+match-datacache", "litdata", "litdata+tuned", "fsspec")
 
 

@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools import bench_cpu, bench_derived, bench_images, bench_mix, bench_nodes  # noqa: E402
+from tools import bench_cpu, bench_derived, bench_images, bench_mix, bench_nodes, bench_peers  # noqa: E402
 from tools.bench_plots import charts, order_key, summarize_profile  # noqa: E402,F401 - bench.py uses it
 from tools.bench_text import (  # noqa: E402,F401
     BEGIN,
@@ -86,6 +86,8 @@ def summarize_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
         return {"failed": f"aborted in epoch {bad['epoch'] + 1}: {bad['aborted']}", "aborted": True}
     if sc == "mix":  # its own figures (per-stream counts, needed bytes): tools/bench_mix.py
         return bench_mix.summary(recs)
+    if sc == "peers":  # store and peer bytes, each node against its bound: tools/bench_peers.py
+        return bench_peers.summary(recs)
     wall = sum(r["wall"] for r in m)
     needed = r0.get("predicted_remote") or [_needed_bytes(sc, i, D, C) for i in range(len(m))]
     link = sum(needed[:len(m)]) / r0["bandwidth"]
@@ -238,6 +240,8 @@ def targets(name: str, dc: dict[str, Any], peers: dict[str, dict[str, Any]],
                    (dc["wall"] <= dc["link"] + dc["storm"] + 10, f"wall {dc['wall']:.1f} s <= link + storm + 10 s")]
     elif sc == "mix":
         checks += bench_mix.checks(dc)
+    elif sc == "peers":
+        checks += bench_peers.checks(dc)
     elif sc == "shuffle":  # issue 14's targets; the speeds are side by side in the shuffle table
         checks += [(dc["warm_quality"] >= 0.95, f"warm quality {dc['warm_quality']:.2f} of random (>=0.95)"),
                    (dc["cold_after5"] >= 0.8, f"cold quality after the first 5 % >= {dc['cold_after5']:.2f} (>=0.8)")]
@@ -341,7 +345,7 @@ def shuffle_table(records: list[dict[str, Any]], curves: bool = True) -> str:
     return text
 
 
-OWN_TABLE = ("shuffle", "mix")  # scenarios with their own table (cold and warm apart)
+OWN_TABLE = ("shuffle", "mix", "peers")  # scenarios with their own table (cold and warm apart)
 
 
 def mix_table(records: list[dict[str, Any]]) -> str:
@@ -359,6 +363,8 @@ def write_report(out: str, records: list[dict[str, Any]], *, run: dict[str, Any]
     text += table(meds, main) + "\n" if main else ""
     if "shuffle" in scenarios:
         text += "\n## shuffle\n\n" + shuffle_table(records) + "\n"
+        placement = bench_peers.placement_table(records)
+        text += "\n" + placement + "\n" if placement else ""
     if "mix" in scenarios:
         text += "\n## mix\n\n" + mix_table(records) + "\n"
         if ("mix", "datacache") in meds:
@@ -366,6 +372,11 @@ def write_report(out: str, records: list[dict[str, Any]], *, run: dict[str, Any]
             text += "\ndatacache's targets: " + targets("mix", meds[("mix", "datacache")], peers) + "\n"
     nodes = bench_nodes.report(records)
     text += "\n" + nodes if nodes else ""
+    if "peers" in scenarios:
+        text += "\n## peers\n\n" + bench_peers.report(records, order_key) + "\n"
+        if ("peers", "datacache") in meds:
+            others = {s: meds[("peers", s)] for s in systems_in(meds, "peers") if s.split("+")[0] in PEERS}
+            text += "\ndatacache's targets: " + targets("peers", meds[("peers", "datacache")], others) + "\n"
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
     try:
@@ -384,9 +395,12 @@ def readme_tables(records: list[dict[str, Any]], run: dict[str, Any], bench_dir:
                                                             if s.split("+")[0] in PEERS}, meds)
                 for sc in scenarios if (sc, "datacache") in meds}
     shuffle = shuffle_table(records, curves=False) if "shuffle" in scenarios else ""
+    placement = bench_peers.placement_table(records) if "shuffle" in scenarios else ""
+    shuffle += "\n\n" + placement if shuffle and placement else ""
     main = [sc for sc in scenarios if sc not in OWN_TABLE]
     return readme_block(run, scenarios, table(meds, main) if main else "", shuffle, verdicts,
-                        mix_table(records) if "mix" in scenarios else "", bench_nodes.report(records), bench_dir)
+                        mix_table(records) if "mix" in scenarios else "", bench_nodes.report(records), bench_dir,
+                        bench_peers.report(records, order_key) if "peers" in scenarios else "")
 
 
 def _why(m: dict[str, Any]) -> str:

@@ -77,7 +77,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools import bench_cpu, bench_images, bench_mix, bench_nodes  # noqa: E402
+from tools import bench_cpu, bench_images, bench_mix, bench_nodes, bench_peers  # noqa: E402
 from tools.bench_quality import BatchQuality  # noqa: E402
 from tools.bench_write import _s3fs, write  # noqa: E402
 
@@ -170,7 +170,8 @@ def build(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None], Callable[[]
                   "match-streaming": {"window": spec.get("shards", 1)}}.get(variant, {})  # every shard
         batched = {"batch_size": bs} if variant == "torch" else {}
         ds = datacache.StreamingDataset(spec["url"], storage_options=spec["storage_options"], cache=cfg,
-                                        shuffle=True, seed=0, **window, **batched, **_transform(spec))
+                                        shuffle=True, seed=0, **window, **batched, **_transform(spec),
+                                        **bench_peers.dataset_kwargs(spec))
         if variant == "dropin":  # the line users write first: torch's DataLoader over samples
             loader = tud.DataLoader(ds, batch_size=bs, **lkw)
         elif batched:  # batched mode through torch's own DataLoader (no StatefulDataLoader)
@@ -322,13 +323,16 @@ def measured_step(compute: float, n: int = STEP_SAMPLES) -> float:
 
 
 def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[], None],
-              max_bytes: float = float("inf"), n: int = 0, bounds: list[int] | None = None) -> dict[str, Any]:
+              max_bytes: float = float("inf"), n: int = 0, bounds: list[int] | None = None,
+              bitmap: bool = False) -> dict[str, Any]:
     """One epoch: wall, data wait (time in ``next``, worker start-up included: ``startup`` is the
     time in ``iter(loader)``; ``batch_waits``: each batch's, beside ``batch_times``: when each
     came), remote bytes at the proxy, shuffle quality of the batches on the class-sorted ``n``
     samples (``tools/bench_quality.py``), with a mix's stream ``bounds`` the
     samples per stream (``bench_mix.StreamCounts``). Stops early ("aborted") once the epoch has
-    pulled more than ``max_bytes`` (thrashing)."""
+    pulled more than ``max_bytes`` (thrashing). With peer links on the meter
+    (``tools/bench_peers.py``) the bytes they carried too; with ``bitmap`` the set of sample ids
+    read (``ids_bits``, joined over the nodes by ``bench_peers.finish``)."""
     barrier()
     m0 = meter(meter_url)
     cpu0 = bench_cpu.snapshot()
@@ -399,7 +403,9 @@ def run_epoch(loader: Any, compute: float, meter_url: str, barrier: Callable[[],
             "batch_waits": waits,
             "startup": startup, "first_ids": head, **(quality.summary() if quality is not None else {}),
             **(per_stream.summary() if per_stream is not None else {}),
-            **cpu, **({"aborted": aborted} if aborted else {})}
+            **cpu, **bench_peers.peer_delta(m0, m1),
+            **({"ids_bits": bench_peers.ids_bits(got, n)} if bitmap and n else {}),
+            **({"aborted": aborted} if aborted else {})}
 
 
 def _profiler(spec: dict[str, Any]) -> Any:
@@ -421,6 +427,7 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
         return None
 
     barrier: Callable[[], None] = no_barrier
+    bench_peers.node_env(spec)  # the peers scenario's peer list and token for this node, or none
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
 
@@ -437,10 +444,12 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 prof.start()
             decoded = _decode_total(spec)
             rec = run_epoch(loader, sc["compute"] if measured else 0.0, spec["meter_url"], barrier,
-                            spec.get("max_epoch_bytes") or float("inf"), spec.get("n", 0), spec.get("stream_bounds"))
+                            spec.get("max_epoch_bytes") or float("inf"), spec.get("n", 0), spec.get("stream_bounds"),
+                            bitmap=int(sc.get("nodes", 1)) > 1)
             if prof is not None and measured:
                 prof.stop()
-            rec.update(epoch=e, phase=phase, stats=_jsonable(stats()))
+            now = stats()
+            rec.update(epoch=e, phase=phase, stats=_jsonable(now), peer_stats=bench_peers.peer_stats(now))
             if decoded is not None:  # the images scenario: the decode's CPU in the epoch
                 rec["decode_cpu_s"] = round(_decode_total(spec) - decoded, 3)
             records.append(rec)

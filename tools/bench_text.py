@@ -43,6 +43,8 @@ NOTES = {
     "throttle": "the `match-*` variants are not run.",
     "nodes": "the `match-*` variants are not run.",
     "shuffle": "none: a cold epoch from an empty cache, then a warm epoch from the cache it filled, every system.",
+    "peers": "datacache with `placement=\"global\"` (and the peer tier on, or off as `datacache+nopeers`); Streaming "
+             "and LitData as in the nodes scenario (no peer tier); only the default variants run.",
     "mix": "each system through its own mixing API (tools/bench_mix.py), default settings only; LitData's "
            "`CombinedStreamingDataset(weights=)` has no epoch size, repeat or subsample (it ends the epoch when a "
            "stream runs out), so its counts are what that gives; fsspec has no mixing (not run).",
@@ -79,7 +81,10 @@ VARIANTS = (
     "`datacache+window` (cold, warm, shuffle): `node_shuffle='window'`, the cold epoch through the sliding window "
     "instead of the default's part mix (datacache/plan/part_shuffle.py). `datacache+never` (raw, raw-bytes, small, "
     "small-1024): `node_shuffle='never'`, the warm epoch in the sliding window's order instead of the default's "
-    "uniform permutation of the node's share.")
+    "uniform permutation of the node's share. `datacache+node-sticky` and "
+    "`datacache+global` (shuffle): datacache on `--nodes` (4) simulated nodes (as in the nodes scenario, each "
+    "node's cache the default) with `placement='node'` (the default) and `placement='global'`, their quality side "
+    "by side. `datacache+nopeers` (peers): the peers scenario with no peer tier configured.")
 
 QUALITY = (
     "Quality: mean distinct classes per batch over the same for a uniform random permutation (computed exactly for "
@@ -144,7 +149,8 @@ def wrap(text: str) -> str:
 
 
 def readme_block(run: dict[str, Any], scenarios: list[str], table: str, shuffle: str,
-                 verdicts: dict[str, str], mix: str = "", nodes: str = "", bench_dir: str = "docs/bench") -> str:
+                 verdicts: dict[str, str], mix: str = "", nodes: str = "", bench_dir: str = "docs/bench",
+                 peers: str = "") -> str:
     """The full generated block (docs/benchmarks.md); every figure in it comes from the tables it
     holds. ``bench_dir``: the published results' folder relative to the file the block goes in."""
     raw, report = f"{bench_dir}/results.jsonl", f"{bench_dir}/results.md"
@@ -161,6 +167,8 @@ def readme_block(run: dict[str, Any], scenarios: list[str], table: str, shuffle:
         parts += ["**Mixed datasets, cold and warm** (the `mix` scenario):", "", mix, ""]
     if nodes:
         parts += ["**Many nodes, per epoch** (the `nodes` scenario):", "", nodes.replace("### nodes: ", ""), ""]
+    if peers:
+        parts += ["**The cluster as one cache, per epoch** (the `peers` scenario):", "", peers, ""]
     parts += ["datacache's targets, per scenario (from the table):", ""]
     parts += [f"- {sc}: {verdicts[sc]}" for sc in scenarios if sc in verdicts]
     parts += ["", END]

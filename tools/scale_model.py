@@ -19,6 +19,30 @@ For each node count it builds the run's node assignment and every node's epoch p
 
 ``predict_bytes`` is the same computation for a small job (tools/bench.py's ``nodes`` scenario
 checks it against a measured run).
+
+**The peer tier** (issue 39; ``peer_rows``): the object store's egress bytes, GETs and GET/s per
+epoch, and the bytes the nodes serve each other, for node-sticky and global placement, each with
+and without the peer tier. Its assumptions, printed with the table (``PEER_ASSUMPTIONS``):
+
+- node placement: the shares S_k of the real plan (as above). Without peers node k reads S_k in
+  epoch 1 and max(0, S_k - C) after; with peers the store serves each shard once per cluster (D in
+  epoch 1; the shards two nodes share come from the peer that fetched them) and max(0, D - N C)
+  after (the cluster holds min(D, N C) distinct bytes: duplicates never crowd out a shard only one
+  node holds); a node's other misses come from peers.
+- global placement (``placement="global"``): every epoch a fresh uniform permutation, each node a
+  random 1/N of the shards. Without peers a node can hold only shards it read before: by epoch e
+  it has seen 1 - (1 - 1/N)^(e-1) of the dataset, and a clairvoyant cache (datacache's eviction
+  knows the next epoch's plan) keeps up to C of those it reads next, so the store serves
+  D x max(1 - seen, 1 - N C / D) (the 4-node bench measures 0.77 and 0.52 D against 0.75 and
+  0.56). With peers, as node placement: D, then max(0, D - N C); a node's cache holds a C / D share
+  of the shards (at most all), the rest of its share comes from peers.
+- peer bytes: the misses the store does not serve. In epoch 1 that counts only shards two nodes
+  read; a tier whose owners download for the readers moves up to (1 - 1/N) D more between nodes
+  (the 4-node bench measures 1.19 D, the next epoch's prefetch included): neither egress nor GETs.
+- time: an epoch lasts as long as the slowest node's store bytes take at ``--bandwidth`` (each node
+  fetches the shards it owns, the store's bytes spread evenly over the nodes with peers), or its
+  peer bytes at ``--peer-bandwidth`` (the cluster fabric, apart from the store path), or
+  ``--compute-s``, whichever is longest; GET/s = ``ceil(bytes / part)`` GETs over that time.
 """
 from __future__ import annotations
 
@@ -120,9 +144,55 @@ def model(nodes: int, a: argparse.Namespace) -> dict[str, Any]:
                        "gets_per_s_peak": int(per_s.max())})
     share = [len(s) * shard for s, _ in needs]
     peak = max(e["gets_per_s_peak"] for e in epochs)
+    peers = peer_rows(share, n_shards * shard, nodes=nodes, cache=cache, epochs=a.epochs, part=part,
+                      bandwidth=bandwidth, peer_bandwidth=parse_size(a.peer_bandwidth), compute_s=a.compute_s)
     return {"nodes": nodes, "ranks": a.ranks, "workers": a.workers, "shards": n_shards, "shard_bytes": shard,
             "share_bytes": {"min": min(share), "max": max(share)}, "cache_bytes": cache, "part_bytes": part,
-            "bandwidth": bandwidth, "epochs": epochs, "advice": advice(peak, nodes, part, shard)}
+            "bandwidth": bandwidth, "epochs": epochs, "advice": advice(peak, nodes, part, shard), "peers": peers}
+
+
+PEER_ASSUMPTIONS = (
+    "node: shares S_k from the plan; no peers: S_k, then max(0, S_k - C) per node; peers: D once per cluster, "
+    "then max(0, D - N C)",
+    "global: a fresh uniform 1/N of the shards per node each epoch; no peers: D x max(1 - seen, 1 - N C / D), "
+    "seen = 1 - (1 - 1/N)^(e-1) (a clairvoyant cache keeps what it read before and reads next); peers: as node",
+    "time: the slowest node's store bytes / --bandwidth, its peer bytes / --peer-bandwidth, or --compute-s; "
+    "GETs = ceil(bytes / part); egress = the store's bytes",
+    "peer bytes: the misses the store does not serve; in epoch 1 only shards two nodes read (a tier whose owners "
+    "download for the readers adds up to (1 - 1/N) D of peer traffic, which is neither egress nor a GET)")
+
+
+def peer_rows(share: list[int], D: int, *, nodes: int, cache: int, epochs: int, part: int, bandwidth: float,
+              peer_bandwidth: float, compute_s: float = 0.0) -> list[dict[str, Any]]:
+    """Per (placement, peers, epoch): the store's egress bytes, GETs, GET/s, the peer bytes and the
+    epoch's seconds (the module docstring's assumptions). ``share``: each node's bytes (the plan's
+    node-placement shares)."""
+    N, C = nodes, cache
+    rows = []
+    for placement in ("node", "global"):
+        for peers in (False, True):
+            for e in range(epochs):
+                if peers:
+                    store = D if e == 0 else max(0, D - N * C)
+                    if placement == "node":
+                        misses = sum(share) if e == 0 else sum(max(0, s - C) for s in share)
+                    else:
+                        misses = D if e == 0 else round(D * (1 - min(1.0, C / D)))
+                    peer = max(0, misses - store)
+                    node_store, node_peer = store / N, peer / N
+                elif placement == "node":
+                    per = [s if e == 0 else max(0, s - C) for s in share]
+                    store, peer, node_store, node_peer = sum(per), 0, max(per), 0.0
+                else:
+                    seen = 1 - (1 - 1 / N) ** e
+                    store = D if e == 0 else round(D * max(1 - seen, 1 - N * C / D))
+                    peer, node_store, node_peer = 0, store / N, 0.0
+                seconds = max(node_store / bandwidth, node_peer / peer_bandwidth, compute_s)
+                gets = math.ceil(store / part) if store else 0
+                rows.append({"placement": placement, "peers": peers, "epoch": e + 1, "store_bytes": int(store),
+                             "gets": gets, "seconds": round(seconds, 1),
+                             "gets_per_s": round(gets / seconds, 1) if seconds else 0.0, "peer_bytes": int(peer)})
+    return rows
 
 
 def advice(peak: int, nodes: int, part: int, shard: int) -> str:
@@ -183,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", default="1TB", help="cache per node")
     p.add_argument("--part", default="8MB", help="bytes per ranged GET (TransferConfig.part_bytes)")
     p.add_argument("--bandwidth", default="1.25GB", help="per-node link, bytes/s")
+    p.add_argument("--peer-bandwidth", default="12.5GB", help="per-node link to the other nodes (peer tier), bytes/s")
     p.add_argument("--lookahead", default="256MB", help="prefetch lookahead per consumer")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--compute-s", type=float, default=0.0, help="epoch length floor set by compute")
@@ -204,7 +275,22 @@ def main(argv: list[str] | None = None) -> int:
                   f"{format_size(e['remote_bytes']):>9} {e['gets']:>10,} {e['seconds']:>8.0f} "
                   f"{e['gets_per_s_mean']:>11,.0f} {e['gets_per_s_peak']:>11,}")
         print(f"       -> {r['advice']}")
+    print_peers(results)
     return 0
+
+
+def print_peers(results: list[dict[str, Any]]) -> None:
+    """The peer tier's table: the store's egress and GET/s with and without peers."""
+    print("\nThe peer tier: object-store egress and GET/s per epoch, with and without peers. Model assumptions:")
+    for line in PEER_ASSUMPTIONS:
+        print(f"  - {line}")
+    print(f"{'nodes':>6} {'placement':>9} {'peers':>5} {'epoch':>5} {'egress':>9} {'GETs':>10} {'seconds':>8} "
+          f"{'GET/s':>9} {'peer bytes':>10}")
+    for r in results:
+        for row in r["peers"]:
+            print(f"{r['nodes']:>6} {row['placement']:>9} {'on' if row['peers'] else 'off':>5} {row['epoch']:>5} "
+                  f"{format_size(row['store_bytes']):>9} {row['gets']:>10,} {row['seconds']:>8.0f} "
+                  f"{row['gets_per_s']:>9,.0f} {format_size(row['peer_bytes']):>10}")
 
 
 if __name__ == "__main__":
