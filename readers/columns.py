@@ -92,7 +92,14 @@ class Columns:
         return out
 
     @staticmethod
-    def concat(parts: Sequence[Columns]) -> Columns | None:
+    def concat(columns: Sequence[Column]) -> Column:
+        """One field's columns (of one dtype and number of dimensions) one after the other."""
+        c = columns[0]
+        return Column(c.kind, np.concatenate([x.addr for x in columns]), np.concatenate([x.size for x in columns]),
+                      c.dtype, np.concatenate([x.shape for x in columns]))
+
+    @staticmethod
+    def join(parts: Sequence[Columns]) -> Columns | None:
         """The rows of ``parts`` one after the other; None if a field's dtype or number of
         dimensions differs between them."""
         if len(parts) == 1:
@@ -103,9 +110,7 @@ class Columns:
             cols = [p.fields[name] for p in parts]
             if any(x.dtype != c.dtype or x.shape.shape[1] != c.shape.shape[1] for x in cols):
                 return None
-            fields[name] = Column(c.kind, np.concatenate([x.addr for x in cols]),
-                                  np.concatenate([x.size for x in cols]), c.dtype,
-                                  np.concatenate([x.shape for x in cols]))
+            fields[name] = Columns.concat(cols)
         return Columns(sum(p.n for p in parts), fields, [k for p in parts for k in p.keep])
 
 
@@ -113,9 +118,11 @@ _MAX_DIM = 1 << 40  # a larger declared dimension is left to the per-sample deco
 
 
 def _u64(span: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """The little-endian u64 at each of ``at`` (offsets into ``span``), as int64 (-1 where >= 2^63)."""
-    raw = span[at[:, None] + np.arange(8)]
-    return np.ascontiguousarray(raw).view("<u8").reshape(len(at)).astype(np.int64)
+    """The little-endian u64 at each of ``at`` (offsets into ``span``), as int64 (negative where >= 2^63)."""
+    if len(span) < 8:
+        return np.full(len(at), -1, np.int64)
+    words = np.ndarray((len(span) - 7,), dtype="<i8", buffer=span, strides=(1,))  # one at every byte
+    return words[at]
 
 
 def parse_rows(span: np.ndarray, base: int, start: np.ndarray, length: np.ndarray, schema: Schema) -> Columns | None:

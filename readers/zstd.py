@@ -383,7 +383,7 @@ class ZstdShardReader(_BaseReader):
         if not 0 <= lo <= hi <= n:
             raise IndexError(f"{self.path}: range [{lo}, {hi}) outside [0, {n}]")
         idx = np.arange(lo, hi, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
-        if len(idx) and (idx[0] < lo or idx[-1] >= hi or (len(idx) > 1 and (np.diff(idx) <= 0).any())):
+        if len(idx) and (idx[0] < lo or idx[-1] >= hi or (len(idx) > 1 and (np.diff(idx) < 0).any())):
             raise IndexError(f"{self.path}: rows not sorted within [{lo}, {hi})")
         self._ensure_open()
         assert self._cow is not None and self._mmap is not None
