@@ -136,6 +136,9 @@ class BatchRing:
         self.published += 1
         if self.path is None:
             return _values(self._state, self._mm, self._offset(slot), slot, fields)
+        # torch's DataLoader converts a worker's numpy arrays to tensors (default_convert) before it
+        # sends the batch, so a shared ring's ragged arrays come as the tensors that would make
+        fields = tuple(f._replace(kind="tensors") if f.kind == "arrays" else f for f in fields)
         batch = ShmBatch(self.path, self.size, self._offset(slot), slot, fields, self.pin)
         return [ShmTensor(batch, i) for i in range(len(fields))]
 

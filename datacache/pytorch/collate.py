@@ -30,7 +30,7 @@ Pure functions of their arguments; thread-safe.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -372,14 +372,15 @@ def _var_value(buf: Any, f: Field) -> Any:
     return [torch.from_numpy(a) for a in out] if f.kind == "tensors" else out
 
 
-class PackedBytes(Sequence):
+class PackedBytes:
     """A batch's ``bytes`` or ``str`` column as one buffer and its offsets (``bytes_views=True``):
     value ``i`` is ``data[offsets[i]:offsets[i + 1]]``, viewing the batch's shared memory (which it
     keeps, as a tensor of the batch does). ``p[i]``: a ``memoryview`` of the bytes, or the decoded
     ``str`` (``kind``); ``p.tensor(i)``: a uint8 tensor view (e.g. for
     ``torchvision.io.decode_jpeg``); ``p.tolist()``: what ``default_collate`` gives, a list of
     ``bytes`` or ``str``. ``pin_memory()`` pins ``data`` and ``offsets``, as torch's pinning
-    thread asks. Thread-safe to read."""
+    thread asks. Not a ``Sequence`` subclass, so that torch's ``default_convert`` leaves it whole.
+    Thread-safe to read."""
 
     __slots__ = ("data", "offsets", "kind")
 
@@ -402,6 +403,9 @@ class PackedBytes(Sequence):
         a, b = self._span(i)
         raw = memoryview(self.data.numpy())[a:b]
         return str(raw, "utf-8") if self.kind == "str" else raw
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
 
     def tensor(self, i: int) -> torch.Tensor:
         """Value ``i``'s bytes as a uint8 tensor viewing the batch."""
