@@ -397,12 +397,13 @@ class ZstdShardReader(_BaseReader):
         base = np.empty(len(ublocks), np.int64)
         keep: list[Any] = []
         if raw.any():
+            self._cached = (-1, memoryview(b""))  # its region, if raw, is reclaimed now (not read again)
             whole = np.frombuffer(self._mmap, np.uint8)  # kept: the mapping stays while the table does
             keep.append(whole)
             offs = (info[raw, 0] & np.uint64(RAW_BLOCK - 1)).astype(np.int64)
             base[raw] = int(whole.ctypes.data) + offs
             for i in np.flatnonzero(raw)[self._cow.handed_out(offs, info[raw, 2].astype(np.int64))].tolist():
-                view = self._cow.region(int(info[i, 0] & np.uint64(RAW_BLOCK - 1)), int(info[i, 2]))
+                view = self._cow.read_view(int(info[i, 0] & np.uint64(RAW_BLOCK - 1)), int(info[i, 2]))
                 keep.append(view)  # a region a live view holds (and may have written): as in the file
                 base[i] = address_of(view)
         for i in np.flatnonzero(~raw).tolist():

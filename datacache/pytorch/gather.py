@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ReaderError
-from ..read.consumer import Consumer, Step
 from ..read.prefetch import Prefetcher
 from ..readers.columns import Columns, address_view
-from .batches import _AHEAD, RingCollator
 from .collate import _ROW_ALIGN, Field, _up, values, var_field
-from .rounds import WorkerBatches
+
+if TYPE_CHECKING:
+    from ..read.consumer import Consumer, Step
+    from .batches import RingCollator
+    from .rounds import WorkerBatches
 
 __all__ = ["Gatherer", "gathered", "copy_rows"]
 
@@ -217,6 +219,9 @@ def _check_utf8(data: np.ndarray, offsets: np.ndarray, name: str) -> None:
             raw[a:b].decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ReaderError(f"field {name!r}: str field is not valid UTF-8 ({exc.reason})") from None
+
+
+_AHEAD = 4  # batches gathered ahead of the one handed out (as ``datacache.pytorch.batches.batched``)
 
 
 def gathered(consumer: Consumer, batches: WorkerBatches, gather: Callable[[list[Piece]], Any],
