@@ -27,6 +27,7 @@ Used by the one batcher thread of a consumer.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -53,12 +54,13 @@ _GOOD_KINDS = "biufc"
 _ROW_BY_ROW = 4096  # rows at least this long are copied one memmove each (no gather buffer)
 
 
-def copy_rows(addr: np.ndarray, row: int, out: np.ndarray) -> None:
+def copy_rows(addr: np.ndarray, row: int, out: np.ndarray, span: tuple[int, int] | None = None) -> None:
     """``out`` (``len(addr) * row`` bytes, contiguous) <- the ``row`` bytes at each address in
     ``addr`` (each inside a buffer the caller keeps alive). Short rows: one numpy gather of
     ``row``-byte items over the span of the addresses (a C loop; the GIL stays held below 500 rows),
     then one ``memmove`` into ``out``; long rows: one ``memmove`` each, straight into ``out``
-    (a gather buffer of a batch of them would be a second pass over the batch in memory, not cache)."""
+    (a gather buffer of a batch of them would be a second pass over the batch in memory, not cache).
+    ``span``: addresses ``[lo, hi)`` holding every row, where the caller knows them."""
     n = len(addr)
     if row == 0 or n == 0:
         return
@@ -66,8 +68,7 @@ def copy_rows(addr: np.ndarray, row: int, out: np.ndarray) -> None:
     if row >= _ROW_BY_ROW:
         _copy_each(addr, np.full(n, row, np.int64), dst + row * np.arange(n, dtype=np.int64))
         return
-    lo = int(addr.min())
-    hi = int(addr.max()) + row
+    lo, hi = span if span is not None else (int(addr.min()), int(addr.max()) + row)
     items = np.ndarray((hi - lo - row + 1,), dtype=np.dtype((np.void, row)), buffer=address_view(lo, hi),
                        strides=(1,))
     got = items[addr - lo]
@@ -106,6 +107,18 @@ class _StepTable:
             columns = {name: Columns.concat([t.fields[name] for t in tables]) for name in first}
         # in position order, once per step: a batch's columns are then slices
         self.columns = {name: (c.addr[index], c.size[index], c.shape[index]) for name, c in columns.items()}
+        # where every field has one size in the whole step (the common case), a batch needs no
+        # check: ``fixed`` is each field's (dtype, row shape) and ``spans`` its rows' address span
+        self.fixed: tuple[tuple[str, tuple[int, ...]], ...] | None = None
+        fixed = []
+        for name, (addr, _, shape) in self.columns.items():
+            kind, dtype = self.kinds[name], np.dtype(self.dtypes[name])
+            if not len(addr) or kind in ("bytes", "str") or (kind == "ndarray" and not (
+                    dtype.kind in _GOOD_KINDS and dtype.isnative and (shape == shape[0]).all())):
+                return
+            fixed.append((dtype.str, tuple(shape[0].tolist())))
+        self.fixed = tuple(fixed)
+        self.spans = [(int(a.min()), int(a.max()) + int(sz[0])) for a, sz, _ in self.columns.values()]
 
     def __len__(self) -> int:
         return len(self.step.pos)
@@ -131,12 +144,15 @@ class Gatherer:
 
     def __init__(self, collator: RingCollator) -> None:
         self.collator = collator
+        self._layouts: dict[Any, tuple[Field, ...]] = {}  # fixed batches' layouts by (rows, fields)
 
     def __call__(self, pieces: list[Piece]) -> Any:
         tables = [t for t, _, _ in pieces]
         t0 = tables[0]
         if not all(t.regular and t.dtypes == t0.dtypes and t.kinds == t0.kinds for t in tables):
             return self._per_sample(pieces)
+        if t0.fixed is not None and all(t.fixed == t0.fixed for t in tables):
+            return self._fixed(pieces)
         n = sum(b - a for _, a, b in pieces)
         plan: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]] = []
         for name in t0.kinds:
@@ -177,6 +193,39 @@ class Gatherer:
                 ring.abandon(slot)  # type: ignore[union-attr]
             raise
         made = ring.publish(slot, tuple(fields)) if slot is not None else values(buf, tuple(fields))  # type: ignore[union-attr]
+        return dict(zip(t0.kinds, made))
+
+    def _fixed(self, pieces: list[Piece]) -> Any:
+        """A batch whose fields all have one size in its steps: its layout known by its row count,
+        each field one ``copy_rows`` over the steps' address span."""
+        t0 = pieces[0][0]
+        n = sum(b - a for _, a, b in pieces)
+        fields = self._layouts.get((n, t0.fixed))
+        if fields is None:
+            out, pos = [], 0
+            for dtype, shape in t0.fixed:  # type: ignore[union-attr]
+                nbytes = n * math.prod(shape) * np.dtype(dtype).itemsize
+                out.append(Field(dtype, (n, *shape), pos, nbytes))
+                pos += _up(nbytes)
+            fields = self._layouts[(n, t0.fixed)] = tuple(out)
+        total = fields[-1].offset + fields[-1].nbytes
+        ring = self.collator.ring_for(total)
+        slot = ring.acquire(total) if ring is not None else None
+        buf = ring.buffer(slot) if slot is not None else np.empty(max(total, 1), np.uint8)  # type: ignore[union-attr]
+        try:
+            for k, (f, name) in enumerate(zip(fields, t0.kinds)):
+                if len(pieces) == 1:
+                    t, a, b = pieces[0]
+                    addr, span = t.columns[name][0][a:b], t.spans[k]
+                else:
+                    addr = np.concatenate([t.columns[name][0][a:b] for t, a, b in pieces])
+                    span = (min(t.spans[k][0] for t, _, _ in pieces), max(t.spans[k][1] for t, _, _ in pieces))
+                copy_rows(addr, f.nbytes // n if n else 0, buf[f.offset:f.offset + f.nbytes], span)
+        except BaseException:
+            if slot is not None:
+                ring.abandon(slot)  # type: ignore[union-attr]
+            raise
+        made = ring.publish(slot, fields) if slot is not None else values(buf, fields)  # type: ignore[union-attr]
         return dict(zip(t0.kinds, made))
 
     def _fill(self, buf: np.ndarray, f: Field, addr: np.ndarray, size: np.ndarray, shape: np.ndarray,
