@@ -98,6 +98,25 @@ class CowMap:
         self._out.append((p0, p1, exporter))
         return memoryview(exporter)
 
+    def read_view(self, offset: int, length: int) -> memoryview:
+        """The file's bytes ``[offset, offset + length)`` to read, never to write nor to hand out:
+        as ``region`` but not tracked (no later region need check it), a fresh mapping only where a
+        live view did write one of its pages."""
+        p0, p1 = offset // _PAGE, -(-(offset + length) // _PAGE)
+        maybe = np.flatnonzero(self._maybe[p0:p1])
+        if len(maybe) and self._written(p0 + int(maybe[0]), p0 + int(maybe[-1]) + 1):
+            return self._fresh(offset, length, p0)
+        return memoryview(np.frombuffer(self.map, np.uint8, length, offset))
+
+    def handed_out(self, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Which of the regions ``offsets``/``lengths`` hold a page that a view handed out and still
+        alive may have written (the rest read as in the file through ``map``); reclaims first."""
+        self._reclaim()
+        if not self._maybe.any():
+            return np.zeros(len(offsets), dtype=bool)
+        held = np.concatenate(([0], np.cumsum(self._maybe)))
+        return held[-(-(offsets + lengths) // _PAGE)] - held[offsets // _PAGE] > 0
+
     def _populate(self, p0: int, p1: int) -> None:
         """Fill the page tables of pages ``[p0, p1)`` read-only (MAP_POPULATE would copy every
         page), once per page: as regions are handed out, not for the whole file at the start,

@@ -22,12 +22,19 @@ against the file size and ``max_block_bytes`` before use, and a block is decompr
 buffer of exactly its validated raw length, so a crafted file (or a zstd bomb) raises
 :class:`ReaderError` instead of allocating unbounded memory.
 
-Thread safety: one reader or writer per thread.
+Columnar reads (:meth:`ZstdShardReader.columns`): the rows of a run as a :class:`readers.columns.Columns`
+table, parsed vectorised over all their blocks at once (raw blocks read in the mapping itself, never
+handed out, so they need no private copy); a compressed block is decompressed once per
+:class:`BlockCache` that the caller passes, however many runs read rows of it.
+
+Thread safety: one reader or writer per thread; a :class:`BlockCache` is thread-safe.
 """
 from __future__ import annotations
 
+import collections
 import mmap
 import os
+import threading
 from array import array
 from typing import Any, Iterator
 
@@ -44,9 +51,10 @@ from .base import ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
 from .codec import Sample, Schema, decode_sample, decode_uniform, encode_sample, owned
+from .columns import Columns, address_of, address_view, parse_rows
 from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
-__all__ = ["ZstdShardReader", "ZstdShardWriter", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
+__all__ = ["ZstdShardReader", "ZstdShardWriter", "BlockCache", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
            "DEFAULT_MAX_BLOCK_BYTES", "RAW_BLOCK"]
 
 DEFAULT_BLOCK_BYTES = 1 << 20
@@ -214,6 +222,8 @@ class ZstdShardReader(_BaseReader):
                               f"{MAGIC!r})", path=self.path, hint=HINT_FORMAT)
         if size < len(MAGIC) + _FOOTER.size:
             raise self._corrupt(f"only {size} bytes, too small for a footer")
+        st = os.fstat(self._file.fileno())
+        self._ident = (self.path, st.st_dev, st.st_ino, size, st.st_mtime_ns)  # BlockCache keys
         self._cow = CowMap(self._file.fileno(), size)  # copy-on-write: samples are writable
         self._mmap = self._cow.map
         if self._size < 0:
@@ -362,6 +372,100 @@ class ZstdShardReader(_BaseReader):
             return decode_uniform(data, offset, length, len(rows), self.schema or {}, pick, copy)
         except ReaderError:
             return None  # sample by sample, for the error naming the sample
+
+    def columns(self, lo: int, hi: int, rows: np.ndarray | None = None,
+                blocks: BlockCache | None = None) -> Columns | None:
+        """Samples ``lo .. hi - 1`` (or only ``rows``, sorted, within them) as one
+        :class:`readers.columns.Columns` table, or None where they are not regular enough for
+        one (see ``readers.columns``): read them one by one then, which raises what is wrong.
+        ``blocks``: keeps the compressed blocks decompressed here for later calls."""
+        n = len(self)
+        if not 0 <= lo <= hi <= n:
+            raise IndexError(f"{self.path}: range [{lo}, {hi}) outside [0, {n}]")
+        idx = np.arange(lo, hi, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
+        if len(idx) and (idx[0] < lo or idx[-1] >= hi or (len(idx) > 1 and (np.diff(idx) < 0).any())):
+            raise IndexError(f"{self.path}: rows not sorted within [{lo}, {hi})")
+        self._ensure_open()
+        assert self._cow is not None and self._mmap is not None
+        if not len(idx):
+            return parse_rows(np.zeros(0, np.uint8), 0, idx, idx, self.schema or {})
+        blk = np.searchsorted(self._first, idx, side="right") - 1
+        starts = np.flatnonzero(np.diff(blk, prepend=-1))
+        ublocks = blk[starts]
+        info = self._blocks[ublocks]
+        raw = (info[:, 0] & np.uint64(RAW_BLOCK)) != 0
+        base = np.empty(len(ublocks), np.int64)
+        keep: list[Any] = []
+        if raw.any():
+            self._cached = (-1, memoryview(b""))  # its region, if raw, is reclaimed now (not read again)
+            whole = np.frombuffer(self._mmap, np.uint8)  # kept: the mapping stays while the table does
+            keep.append(whole)
+            offs = (info[raw, 0] & np.uint64(RAW_BLOCK - 1)).astype(np.int64)
+            base[raw] = int(whole.ctypes.data) + offs
+            for i in np.flatnonzero(raw)[self._cow.handed_out(offs, info[raw, 2].astype(np.int64))].tolist():
+                view = self._cow.read_view(int(info[i, 0] & np.uint64(RAW_BLOCK - 1)), int(info[i, 2]))
+                keep.append(view)  # a region a live view holds (and may have written): as in the file
+                base[i] = address_of(view)
+        for i in np.flatnonzero(~raw).tolist():
+            buf = self._decompressed(int(ublocks[i]), blocks)
+            keep.append(buf)
+            base[i] = address_of(buf)
+        at = np.repeat(base, np.diff(np.append(starts, len(idx)))) + self._samples[idx, 0].astype(np.int64)
+        length = self._samples[idx, 1].astype(np.int64)
+        first, last = int(at.min()), int((at + length).max())
+        table = parse_rows(address_view(first, last), first, at - first, length, self.schema or {})
+        if table is not None:
+            table.keep = keep
+        return table
+
+    def _decompressed(self, block: int, blocks: BlockCache | None) -> memoryview:
+        """Compressed block ``block``, from ``blocks`` or decompressed (and put there)."""
+        if blocks is None:
+            return self._block(block)
+        key = (self._ident, block)
+        buf = blocks.get(key)
+        if buf is None:
+            buf = self._block(block)
+            blocks.put(key, buf)
+        return buf
+
+
+class BlockCache:
+    """Decompressed blocks (``ZstdShardReader.columns``) kept up to ``budget`` bytes, the least
+    recently used dropped first; keyed by the file's identity and the block. A dropped buffer goes
+    back to its pool when nothing else refers to it. Thread-safe."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.nbytes = budget, 0
+        self.hits = self.misses = 0
+        self._blocks: collections.OrderedDict[Any, memoryview] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> memoryview | None:
+        with self._lock:
+            buf = self._blocks.get(key)
+            if buf is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._blocks.move_to_end(key)
+            return buf
+
+    def put(self, key: Any, buf: memoryview) -> None:
+        with self._lock:
+            if key in self._blocks or len(buf) > self.budget:
+                return
+            self._blocks[key] = buf
+            self.nbytes += len(buf)
+            while self.nbytes > self.budget:
+                _, old = self._blocks.popitem(last=False)
+                self.nbytes -= len(old)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self.nbytes = 0
+
 
 FORMAT = ShardFormat(name="zstd", extension=".dcz", reader=ZstdShardReader,
                      ShardWriter=ZstdShardWriter, layout=dcz_layout)

@@ -193,7 +193,21 @@ def test_failed_batch_gives_its_slot_back() -> None:
     assert ring.ring is not None and ring.ring.in_use() == 0
 
 
-def test_ring_falls_back_for_a_larger_batch() -> None:
+def test_a_larger_batch_gets_a_larger_ring_and_the_old_ones_batches_stay() -> None:
+    ring = RingCollator(shared=False)
+    small = ring(_samples(2))
+    first = ring.ring
+    big = ring(_samples(64))
+    assert ring.ring is not None and ring.ring is not first and ring.ring.fallbacks == 0
+    assert ring.ring.slot_bytes >= 64 * _image(0).nbytes
+    assert big["id"].tolist() == list(range(64)) and small["id"].tolist() == [0, 1]
+    assert torch.equal(small["image"][1], torch.from_numpy(_image(1).copy()))
+
+
+def test_ring_falls_back_once_it_has_grown_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    from datacache.pytorch import batches as _batches
+
+    monkeypatch.setattr(_batches, "_GROWTHS", 0)
     ring = RingCollator(shared=False)
     ring(_samples(2))
     big = ring(_samples(64))

@@ -96,11 +96,16 @@ def chunk_runs(piece: np.ndarray, offsets: np.ndarray, chunk: int) -> dict:
     local = piece - offsets[shard]
     shards = len(offsets) - 1
     chunks = chunk_bounds(n, chunk)
-    of_position = np.searchsorted(chunks, np.arange(n, dtype=np.int64), side="right") - 1
+    of_position = np.repeat(np.arange(len(chunks), dtype=np.int64), np.diff(np.append(chunks, n)))
     key = of_position * shards + shard
-    ukeys, run_of = np.unique(key, return_inverse=True)
-    run_of = run_of.astype(np.int64)
-    order = np.lexsort((local, run_of))
+    if len(chunks) * shards <= 4 * n:  # few (chunk, shard) keys: counted, not sorted (same result)
+        present = np.bincount(key, minlength=len(chunks) * shards) > 0
+        ukeys = np.flatnonzero(present)
+        run_of = (np.cumsum(present) - 1)[key]
+    else:
+        ukeys, run_of = np.unique(key, return_inverse=True)
+        run_of = run_of.astype(np.int64)
+    order = np.argsort(run_of * (int(local.max()) + 1) + local)  # by run, then row (equal keys: equal rows)
     bounds = np.searchsorted(run_of[order], np.arange(len(ukeys) + 1))
     sorted_local = local[order]
     rows = Ragged(sorted_local, bounds)

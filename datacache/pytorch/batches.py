@@ -53,6 +53,7 @@ import operator
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -65,17 +66,18 @@ from .._localfs import remove_if_exists as _unlink
 from ..errors import CacheError
 from ..read.consumer import Consumer
 from ..read.prefetch import Prefetcher
-from .collate import Field, Layout, assemble, collate, plan
+from .collate import Layout, PackedBytes, assemble, collate, layout_end, plan, values
 from .rounds import WorkerBatches
 
-__all__ = ["BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "batched", "collate", "sharing", "shm_available",
-           "to_shared_memory"]
+__all__ = ["BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "PackedBytes", "batched", "collate", "sharing",
+           "shm_available", "to_shared_memory"]
 
 _PAGE = mmap.PAGESIZE
 _FREE, _IN_USE = 0, 1  # slot states: one byte per slot in the ring's header page
 _SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^datacache-batch-(\d+)-(\d+)-\d+$")
 _counter = itertools.count()
+_GROWTHS = 8  # new, larger rings a RingCollator makes at most for batches its slots cannot hold
 
 
 class BatchRing:
@@ -83,13 +85,14 @@ class BatchRing:
     batches cross to another process as :class:`ShmBatch`) or in anonymous memory (batches are
     tensors at once). See the module docstring for the slot life cycle."""
 
-    def __init__(self, slot_bytes: int, slots: int = 16, *, shared: bool) -> None:
+    def __init__(self, slot_bytes: int, slots: int = 16, *, shared: bool, pin: bool = False) -> None:
         if not 1 <= slots <= _PAGE:
             raise ValueError(f"slots must be in [1, {_PAGE}], got {slots}")
         self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
         self.slots = slots
         self.size = _PAGE + slots * self.slot_bytes
         self.path: str | None = None
+        self.pin = pin  # the receiving process registers the mapping as pinned memory (``_SlotState.pin``)
         self.fallbacks = self.published = 0
         if shared:
             self.path = _create_file(self.size)
@@ -103,6 +106,8 @@ class BatchRing:
         else:
             self._mm = mmap.mmap(-1, self.size)
             self._state = _SlotState(self._mm)
+            if pin:
+                self._state.pin()
 
     def acquire(self, nbytes: int) -> int | None:
         """A free slot (now in use) for a batch of ``nbytes``, or None: too big, or every slot busy."""
@@ -118,9 +123,9 @@ class BatchRing:
         self._mm[slot] = _IN_USE
         return slot
 
-    def view(self, slot: int, f: Field) -> np.ndarray:
-        """Writable array for field ``f`` in ``slot``."""
-        return _field_array(self._mm, self._offset(slot), f)
+    def buffer(self, slot: int) -> np.ndarray:
+        """``slot``'s bytes, a writable uint8 array."""
+        return np.frombuffer(self._mm, np.uint8, self.slot_bytes, self._offset(slot))
 
     def _offset(self, slot: int) -> int:
         return _PAGE + slot * self.slot_bytes
@@ -130,8 +135,11 @@ class BatchRing:
         :class:`ShmTensor` handles of one :class:`ShmBatch`."""
         self.published += 1
         if self.path is None:
-            return _tensors(self._state, self._mm, self._offset(slot), slot, fields)
-        batch = ShmBatch(self.path, self.size, self._offset(slot), slot, fields)
+            return _values(self._state, self._mm, self._offset(slot), slot, fields)
+        # torch's DataLoader converts a worker's numpy arrays to tensors (default_convert) before it
+        # sends the batch, so a shared ring's ragged arrays come as the tensors that would make
+        fields = tuple(f._replace(kind="tensors") if f.kind == "arrays" else f for f in fields)
+        batch = ShmBatch(self.path, self.size, self._offset(slot), slot, fields, self.pin)
         return [ShmTensor(batch, i) for i in range(len(fields))]
 
     def abandon(self, slot: int) -> None:
@@ -152,27 +160,45 @@ class BatchRing:
 class RingCollator:
     """``collate`` into a :class:`BatchRing` made at the first batch and sized for it (``shared``:
     a file in ``/dev/shm`` for a DataLoader worker; else anonymous memory), kept for the process's
-    later epochs (``pid`` tells a forked child not to use its parent's). Falls back to plain
-    collation when the ring cannot be made (no tmpfs, not enough free space). One producer thread."""
+    later epochs (``pid`` tells a forked child not to use its parent's). A batch larger than its
+    slots (variable-length fields, or a short first batch) gets a new ring sized for it, up to
+    ``_GROWTHS`` times; the old ring's batches stay valid. Falls back to plain collation when the
+    ring cannot be made (no tmpfs, not enough free space). ``pin``: the receiving process pins
+    the ring (``_SlotState.pin``); ``bytes_views``: bytes and str columns come as ``PackedBytes``.
+    One producer thread."""
 
-    def __init__(self, *, shared: bool, slots: int = 16) -> None:
+    def __init__(self, *, shared: bool, slots: int = 16, pin: bool = False, bytes_views: bool = False) -> None:
         self.shared, self.slots, self.pid = shared, slots, os.getpid()
+        self.pin, self.bytes_views = pin, bytes_views
         self.ring: BatchRing | None = None
         self._tried = False
+        self._growths = 0
 
     def __call__(self, samples: Sequence[Any]) -> Any:
-        batch = plan(samples)
+        batch = plan(samples, bytes_views=self.bytes_views)
+        return assemble(samples, batch, self.ring_for(batch.nbytes, any(f.kind != "tensor" for f in batch.fields)))
+
+    def ring_for(self, nbytes: int, variable: bool = False) -> BatchRing | None:
+        """The ring a batch of ``nbytes`` goes into (made or grown for it where it can be), or
+        None. ``variable``: its size varies from batch to batch (bytes, str, ragged columns)."""
         if not self._tried:
             self._tried = True
-            self.ring = self._make(batch.nbytes)
-        return assemble(samples, batch, self.ring)
+            self.ring = self._make(nbytes, variable)
+        elif self.ring is not None and nbytes > self.ring.slot_bytes and self._growths < _GROWTHS:
+            bigger = self._make(nbytes, True)
+            if bigger is not None:
+                self._growths += 1
+                self.ring.close()
+                self.ring = bigger
+        return self.ring
 
-    def _make(self, nbytes: int) -> BatchRing | None:
-        slot = -(-(nbytes + nbytes // 8) // _PAGE) * _PAGE  # room for slightly larger batches
+    def _make(self, nbytes: int, variable: bool) -> BatchRing | None:
+        extra = nbytes // 2 if variable else nbytes // 8  # room for larger batches
+        slot = -(-(nbytes + extra) // _PAGE) * _PAGE
         if nbytes == 0 or (self.shared and not shm_available(_PAGE + self.slots * slot)):
             return None
         try:
-            return BatchRing(slot, self.slots, shared=self.shared)
+            return BatchRing(slot, self.slots, shared=self.shared, pin=self.pin)
         except OSError:
             return None
 
@@ -223,11 +249,11 @@ def _share(t: torch.Tensor) -> None:
 
 class ShmBatch:
     """A batch's ring slot, as sent through the DataLoader's queue; unpickles into the list of its
-    fields' tensors viewing the slot (in the receiving process, which then owns the slot until it
-    frees the tensors)."""
+    fields' values (``datacache.pytorch.collate.values``: tensors viewing the slot, lists built
+    from it), in the receiving process, which then owns the slot until it frees the views."""
 
-    def __init__(self, path: str, size: int, offset: int, slot: int, fields: Layout) -> None:
-        self.args = (path, size, offset, slot, fields)
+    def __init__(self, path: str, size: int, offset: int, slot: int, fields: Layout, pin: bool = False) -> None:
+        self.args = (path, size, offset, slot, fields, pin)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         return _attach, self.args
@@ -255,31 +281,89 @@ default_collate_fn_map[ShmTensor] = _refuse_collate  # torch's documented way to
 
 
 class _SlotState:
-    """Frees slots of one mapping when the last tensor of their batch is gone (consumer side)."""
+    """Frees slots of one mapping when the last tensor of their batch is gone (consumer side).
+
+    Pinned (``pin``: the mapping registered with CUDA as page-locked host memory, so that torch's
+    ``pin_memory`` takes the batch's tensors as they are, without a copy): a freed slot becomes
+    free only once the copies queued before its batch was freed are done (a CUDA event recorded
+    on the freeing thread's current stream), so that an asynchronous host-to-device copy of a batch
+    never reads a slot the worker is refilling. Copies on another stream must be synchronised by
+    the caller before it drops the batch, as with any pinned buffer it reuses."""
 
     def __init__(self, mm: mmap.mmap) -> None:
         self.mm = mm
         self._live: dict[int, int] = {}
         self._lock = threading.Lock()
+        self.pinned: int = 0  # the registered address, or 0
+        self._pending: list[tuple[Any, int]] = []  # (CUDA event, slot) freed, waiting for their copies
 
     def hold(self, slot: int, fields: int) -> None:
         with self._lock:
             self._live[slot] = fields
 
     def drop(self, slot: int) -> None:
+        event = None
+        if self.pinned:
+            event = torch.cuda.Event()
+            event.record()
         with self._lock:
             left = self._live[slot] - 1
             self._live[slot] = left
             if left == 0:
                 del self._live[slot]
+                if event is not None:
+                    self._pending.append((event, slot))
+                elif not self.mm.closed:
+                    self.mm[slot] = _FREE
+            if self._pending:
+                self._reap()
+
+    def _reap(self) -> None:
+        """Free the pending slots whose copies are done (under the lock)."""
+        waiting = []
+        for event, slot in self._pending:
+            if event.query():
                 if not self.mm.closed:
                     self.mm[slot] = _FREE
+            else:
+                waiting.append((event, slot))
+        self._pending = waiting
+
+    def poll(self) -> None:
+        """Free the pending slots whose copies are done (a pinned ring's, at each batch received)."""
+        if self._pending:
+            with self._lock:
+                self._reap()
+
+    def pin(self) -> bool:
+        """Register the mapping as pinned host memory where CUDA is available (once); whether it is."""
+        if self.pinned:
+            return True
+        addr = _register(self.mm)
+        if addr:
+            self.pinned = addr
+            self._finalizer = weakref.finalize(self, _unregister, addr)
+        return bool(addr)
 
 
-def _field_array(buf: Any, base: int, f: Field) -> np.ndarray:
-    """Field ``f`` of the slot at ``base`` in ``buf`` (a ring's mapping or a slot's span)."""
-    dtype = _dtype(f.dtype)
-    return np.frombuffer(buf, dtype, f.nbytes // dtype.itemsize, base + f.offset).reshape(f.shape)
+def _register(mm: mmap.mmap) -> int:
+    """``cudaHostRegister`` the mapping ``mm``: its address, or 0 where CUDA is not available or
+    refuses (torch then pins each batch by copying it, as for any tensor)."""
+    try:
+        if not torch.cuda.is_available():
+            return 0
+        addr = int(np.frombuffer(mm, np.uint8, 1).ctypes.data)
+        rc = torch.cuda.cudart().cudaHostRegister(addr, len(mm), 0)
+        return addr if int(getattr(rc, "value", rc)) == 0 else 0
+    except (RuntimeError, AttributeError, OSError):
+        return 0
+
+
+def _unregister(addr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(addr)
+    except (RuntimeError, AttributeError, OSError):
+        pass
 
 
 def _free_slot(buf: Any) -> None:
@@ -304,23 +388,15 @@ def _span(mm: mmap.mmap, base: int, nbytes: int, state: _SlotState, slot: int) -
     return buf
 
 
-def _tensors(state: _SlotState, mm: mmap.mmap, base: int, slot: int, fields: Layout) -> list[torch.Tensor]:
+def _values(state: _SlotState, mm: mmap.mmap, base: int, slot: int, fields: Layout) -> list[Any]:
+    """The values of the slot's fields (``datacache.pytorch.collate.values``); the slot is freed
+    when none of them views it any more (at once when none does: lists of bytes or str)."""
     state.hold(slot, 1)
     if not fields:  # nothing views the slot (assemble takes none for such a batch)
         state.drop(slot)
         return []
-    buf = _span(mm, base, max(f.offset + f.nbytes for f in fields), state, slot)
-    return [torch.from_numpy(_field_array(buf, 0, f)) for f in fields]
-
-
-_DTYPES: dict[str, np.dtype] = {}
-
-
-def _dtype(name: str) -> np.dtype:
-    d = _DTYPES.get(name)
-    if d is None:
-        d = _DTYPES.setdefault(name, np.dtype(name))
-    return d
+    buf = _span(mm, base, layout_end(fields), state, slot)
+    return values(buf, fields)
 
 
 # ---------------------------------------------------------------- consumer side (main process)
@@ -332,15 +408,19 @@ _ATTACHED_RINGS: dict[int, tuple[str, _SlotState]] = {}
 _RINGS_LOCK = threading.Lock()
 
 
-def _attach(path: str, size: int, offset: int, slot: int, fields: Layout) -> list[torch.Tensor]:
-    """Unpickle a :class:`ShmBatch`: map its ring once (and unlink the file), return its tensors."""
+def _attach(path: str, size: int, offset: int, slot: int, fields: Layout, pin: bool = False) -> list[Any]:
+    """Unpickle a :class:`ShmBatch`: map its ring once (and unlink the file; ``pin``: register it
+    as pinned memory where CUDA is available), return its fields' values."""
     producer = int(_NAME.match(os.path.basename(path)).group(2))  # type: ignore[union-attr]
     with _RINGS_LOCK:
         entry = _ATTACHED_RINGS.get(producer)
     if entry is None or entry[0] != path:
         entry = _attach_ring(producer, path, size)
+        if pin:
+            entry[1].pin()
     state = entry[1]
-    return _tensors(state, state.mm, offset, slot, fields)
+    state.poll()
+    return _values(state, state.mm, offset, slot, fields)
 
 
 def _attach_ring(producer: int, path: str, size: int) -> tuple[str, _SlotState]:

@@ -1,27 +1,36 @@
 """Batched mode's default collation: what ``torch.utils.data.default_collate`` makes, with every
-fixed-shape column copied once, straight into one batch buffer (a ring slot, see ``datacache.pytorch.batches``).
+column copied once, straight into one batch buffer (a ring slot, see ``datacache.pytorch.batches``).
 
 The structure is torch's own: ``torch.utils.data._utils.collate.collate`` (documented with
 ``default_collate``) walks mappings, namedtuples and sequences exactly as ``default_collate`` does
 and calls a function per leaf type from a ``collate_fn_map``; it is run twice.
 
-1. ``plan``: the numeric leaves (tensors, arrays, numpy scalars, ints, floats, bools) are recorded
-   in walk order. A *fixed* column (one type; tensors or arrays of one dtype and shape) gets a
-   place in the buffer (``Field``); any other is collated at once by default_collate's own
-   function, so everything that can fail fails before a ring slot is taken.
-2. ``assemble``: the fixed columns are copied into the buffer, and the second walk puts a tensor
-   viewing the buffer (or what the ring hands out for it) where each one was.
+1. ``plan``: the leaves are recorded in walk order. A *fixed* column (one type; tensors or arrays
+   of one dtype and shape; numbers) gets a place in the buffer (``Field``); so does a *variable*
+   one: ``bytes`` or ``str`` values, or arrays (tensors) of one dtype and number of dimensions but
+   differing shapes, packed one after the other with a table of where each lies. Any other column
+   is collated at once by default_collate's own function, so everything that can fail fails
+   before a ring slot is taken.
+2. ``assemble``: the columns are copied into the buffer, and the second walk puts what
+   ``values`` builds from the buffer (or what the ring hands out for it) where each one was.
 
-Every tensor has the dtype and shape default_collate gives; strings and bytes stay lists, tuples
-become lists, as there. What default_collate refuses but a batch can carry stays a list of the
-values: tensors or arrays of differing shapes, arrays of strings or objects, None.
+What comes out has default_collate's types: tensors of its dtypes and shapes; ``bytes`` and
+``str`` as lists of them (built from the buffer, in the receiving process, with one copy), or with
+``bytes_views`` as one ``PackedBytes`` per field, zero-copy views of the buffer; tuples become
+lists, as there. What default_collate refuses but a batch can carry stays a list of the values:
+arrays (tensors) of differing shapes (views of the buffer), arrays of strings or objects, None.
+
+Layout (``Field``): a fixed column is ``nbytes`` at ``offset``; a variable one's values are at
+``offset`` (``nbytes`` in all), with its table at ``aux``: for ``bytes``/``str`` the ``n + 1``
+int64 offsets of the values (relative to ``offset``), for arrays the ``n`` int64 starts (each
+16-byte aligned) then the ``n x ndim`` int64 shapes. Every part starts 64-byte aligned.
 
 Pure functions of their arguments; thread-safe.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -30,9 +39,10 @@ from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate as _walk
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-__all__ = ["Field", "Layout", "BatchPlan", "plan", "assemble", "collate"]
+__all__ = ["Field", "Layout", "BatchPlan", "PackedBytes", "plan", "assemble", "collate", "values", "layout_end"]
 
 _ALIGN = 64
+_ROW_ALIGN = 16  # a variable array's values start at multiples of this
 
 
 class BatchRing(Protocol):
@@ -40,7 +50,7 @@ class BatchRing(Protocol):
 
     def acquire(self, nbytes: int) -> int | None: ...
 
-    def view(self, slot: int, f: "Field") -> np.ndarray: ...
+    def buffer(self, slot: int) -> np.ndarray: ...
 
     def publish(self, slot: int, fields: "Layout") -> list[Any]: ...
 
@@ -54,12 +64,39 @@ _NP_OF_TORCH = {getattr(torch, n): np.dtype(n) for n in (
 
 
 class Field(NamedTuple):
-    """One fixed-shape column of a batch: where it lies in the buffer (a tuple: cheap to pickle)."""
+    """One column of a batch: where it lies in the buffer and what it becomes (a tuple: cheap to
+    pickle). ``kind``: "tensor" (fixed: ``shape`` is the batch tensor's), "bytes" or "str"
+    (``shape`` is ``(n,)``), "arrays" or "tensors" (``shape`` is ``(n, ndim)``); see the module
+    docstring for ``aux``. ``ascii``: every str value is ASCII; ``view``: bytes/str come as one
+    ``PackedBytes``."""
 
     dtype: str
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    kind: str = "tensor"
+    aux: int = 0
+    ascii: bool = False
+    view: bool = False
+
+
+def _up(n: int, to: int = _ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def var_field(kind: str, dtype: str, count: int, ndim: int, pos: int, nbytes: int, *, ascii: bool = False,
+              view: bool = False) -> tuple[Field, int]:
+    """A variable column's ``Field`` placed at ``pos`` (its table first, then its values) and the
+    position after it."""
+    table = 8 * (count + 1) if kind in ("bytes", "str") else 8 * count * (1 + ndim)
+    data = pos + _up(table)
+    shape = (count,) if kind in ("bytes", "str") else (count, ndim)
+    return Field(dtype, shape, data, nbytes, kind, pos, ascii, view), data + _up(nbytes)
+
+
+def layout_end(fields: Layout) -> int:
+    """The bytes of the buffer ``fields`` use (a variable column's table lies before its values)."""
+    return max((f.offset + f.nbytes for f in fields), default=0)
 
 
 Layout = tuple[Field, ...]
@@ -70,22 +107,29 @@ class _Fixed(NamedTuple):
     dtype: np.dtype
 
 
+class _Var(NamedTuple):
+    values: list[Any]
+    kind: str  # bytes, str, arrays, tensors
+    dtype: np.dtype
+    ndim: int
+
+
 class _Done(NamedTuple):
     value: Any
 
 
 class BatchPlan(NamedTuple):
-    """``plan``'s result: per numeric leaf a ``_Fixed`` column or its ``_Done`` collation; the
-    fixed columns' layout and the bytes it needs."""
+    """``plan``'s result: per numeric, bytes or str leaf a ``_Fixed`` or ``_Var`` column or its
+    ``_Done`` collation; the columns' layout and the bytes it needs."""
 
-    leaves: list[_Fixed | _Done]
+    leaves: list[_Fixed | _Var | _Done]
     fields: Layout
     nbytes: int
 
 
 def _walk_with(samples: Sequence[Any], leaf: Callable[..., Any]) -> Any:
     fns = dict(default_collate_fn_map)  # copied per batch: sees types a user registered there
-    for key in _NUMERIC:
+    for key in (*_NUMERIC, str, bytes):
         fns[key] = leaf
     fns.setdefault(type(None), _as_list)
     return _walk(list(samples), collate_fn_map=fns)
@@ -154,13 +198,44 @@ def _ragged_message(path: tuple[Any, ...], a: int, b: int) -> str:
             f"that pads or packs them), or batch_size=None and batch the samples yourself")
 
 
-def plan(samples: Sequence[Any]) -> BatchPlan:
-    """Walk ``samples`` once: the fixed columns and their layout, the other leaves collated."""
-    leaves: list[_Fixed | _Done] = []
+def _variable(values: list[Any]) -> _Var | None:
+    """The variable column ``values`` make (see the module docstring), or None."""
+    kind = type(values[0])
+    if any(type(v) is not kind for v in values):
+        return None
+    if kind is str or kind is bytes:
+        return _Var(values, kind.__name__, np.dtype(np.uint8), 0)
+    if kind is np.ndarray:
+        dtype = values[0].dtype
+        if dtype.kind in "biufc" and dtype.isnative and all(v.dtype == dtype and v.ndim == values[0].ndim
+                                                            for v in values):
+            return _Var(values, "arrays", dtype, values[0].ndim)
+    elif kind is torch.Tensor:
+        v0 = values[0]
+        dtype = _NP_OF_TORCH.get(v0.dtype)
+        if dtype is not None and all(v.dtype == v0.dtype and v.dim() == v0.dim() and _plain(v) for v in values):
+            return _Var(values, "tensors", dtype, v0.dim())
+    return None
+
+
+def plan(samples: Sequence[Any], *, bytes_views: bool = False) -> BatchPlan:
+    """Walk ``samples`` once: the fixed and variable columns and their layout, the other leaves
+    collated (``bytes_views``: bytes and str columns come as ``PackedBytes``)."""
+    leaves: list[_Fixed | _Var | _Done] = []
 
     def leaf(values: list[Any], *, collate_fn_map: Any = None) -> None:
+        if isinstance(values[0], (str, bytes)):
+            var = _variable(values)
+            leaves.append(_Done(list(values)) if var is None else var)
+            return
         dtype = _fixed(values)
-        leaves.append(_Done(_other(values)) if dtype is None else _Fixed(values, dtype))
+        if dtype is not None:
+            leaves.append(_Fixed(values, dtype))
+            return
+        ragged = isinstance(values[0], (np.ndarray, torch.Tensor)) and any(
+            getattr(v, "shape", None) != values[0].shape for v in values)
+        var = _variable(values) if ragged else None
+        leaves.append(_Done(_other(values)) if var is None else var)
 
     try:
         _walk_with(samples, leaf)
@@ -170,20 +245,41 @@ def plan(samples: Sequence[Any]) -> BatchPlan:
             raise
         raise RuntimeError(_ragged_message(*ragged)) from exc
     fields, pos = [], 0
-    for c in leaves:
+    for i, c in enumerate(leaves):
         if isinstance(c, _Fixed):
             full = (len(c.values), *np.shape(c.values[0]))
             f = Field(c.dtype.str, full, pos, math.prod(full) * c.dtype.itemsize)
             fields.append(f)
-            pos += -(-f.nbytes // _ALIGN) * _ALIGN
+            pos += _up(f.nbytes)
+        elif isinstance(c, _Var):
+            if c.kind in ("bytes", "str"):
+                data = [v.encode("utf-8") for v in c.values] if c.kind == "str" else c.values
+                sizes = [len(v) for v in data]
+                ascii = c.kind == "str" and all(len(v) == len(e) for v, e in zip(c.values, data))
+                leaves[i] = c = c._replace(values=data)
+                nbytes = sum(sizes)
+            else:
+                ascii = False
+                nbytes = sum(_up(_nbytes(v), _ROW_ALIGN) for v in c.values)
+            f, pos = var_field(c.kind, c.dtype.str, len(c.values), c.ndim, pos, nbytes, ascii=ascii,
+                               view=bytes_views and c.kind in ("bytes", "str"))
+            fields.append(f)
     return BatchPlan(leaves, tuple(fields), pos)
 
 
-def fill(fields: Layout, arrays: list[np.ndarray], columns: list[_Fixed]) -> None:
-    """Copy each column's values into its batch array. Arrays go through ``memoryview`` slices, a
-    plain ``memcpy`` under the GIL: numpy would release and retake the GIL around every sample,
-    and with the pipeline's other threads waiting that is a futex round trip per sample."""
-    for f, out, col in zip(fields, arrays, columns):
+def _nbytes(v: Any) -> int:
+    return int(v.nbytes) if isinstance(v, np.ndarray) else v.numel() * v.element_size()
+
+
+def fill(fields: Layout, buf: np.ndarray, columns: list[_Fixed | _Var]) -> None:
+    """Copy each column's values into its place in ``buf`` (uint8). Arrays go through ``memoryview``
+    slices, a plain ``memcpy`` under the GIL: numpy would release and retake the GIL around every
+    sample, and with the pipeline's other threads waiting that is a futex round trip per sample."""
+    for f, col in zip(fields, columns):
+        if isinstance(col, _Var):
+            _fill_var(f, buf, col)
+            continue
+        out = field_array(buf, f)
         values = col.values
         if isinstance(values[0], torch.Tensor):
             values = [v.numpy() for v in values]
@@ -200,25 +296,154 @@ def fill(fields: Layout, arrays: list[np.ndarray], columns: list[_Fixed]) -> Non
                 out[i] = v
 
 
+def _fill_var(f: Field, buf: np.ndarray, col: _Var) -> None:
+    """A variable column: its table, then each value copied to its place."""
+    n = len(col.values)
+    dst = memoryview(buf)
+    if col.kind in ("bytes", "str"):
+        sizes = np.fromiter((len(v) for v in col.values), np.int64, n)
+        offsets = np.frombuffer(buf, np.int64, n + 1, f.aux)
+        offsets[0] = 0
+        np.cumsum(sizes, out=offsets[1:])
+        at = f.offset
+        for v in col.values:
+            dst[at:at + len(v)] = v
+            at += len(v)
+        return
+    values = [v.numpy() for v in col.values] if col.kind == "tensors" else col.values
+    sizes = np.fromiter((v.nbytes for v in values), np.int64, n)
+    starts = np.frombuffer(buf, np.int64, n, f.aux)
+    starts[0] = 0
+    np.cumsum(-(-sizes[:-1] // _ROW_ALIGN) * _ROW_ALIGN, out=starts[1:])
+    shapes = np.frombuffer(buf, np.int64, n * col.ndim, f.aux + 8 * n).reshape(n, col.ndim)
+    shapes[:] = [v.shape for v in values] if col.ndim else np.zeros((n, 0), np.int64)
+    for v, at in zip(values, (f.offset + starts).tolist()):
+        if v.flags.c_contiguous:
+            dst[at:at + v.nbytes] = v.data.cast("B") if v.nbytes else b""
+        else:
+            np.frombuffer(buf, v.dtype, v.size, at).reshape(v.shape)[...] = v
+
+
+def field_array(buf: Any, f: Field) -> np.ndarray:
+    """Fixed column ``f`` of the buffer ``buf``, as an array (writable when ``buf`` is)."""
+    dtype = _dtype(f.dtype)
+    return np.frombuffer(buf, dtype, f.nbytes // dtype.itemsize, f.offset).reshape(f.shape)
+
+
+_DTYPES: dict[str, np.dtype] = {}
+
+
+def _dtype(name: str) -> np.dtype:
+    d = _DTYPES.get(name)
+    if d is None:
+        d = _DTYPES.setdefault(name, np.dtype(name))
+    return d
+
+
+def values(buf: Any, fields: Layout) -> list[Any]:
+    """What each column of the buffer ``buf`` becomes (see the module docstring): tensors and
+    arrays viewing ``buf`` (so keeping it alive), lists of bytes or str copied out of it, or
+    ``PackedBytes`` views."""
+    return [torch.from_numpy(field_array(buf, f)) if f.kind == "tensor" else _var_value(buf, f) for f in fields]
+
+
+def _var_value(buf: Any, f: Field) -> Any:
+    n = f.shape[0]
+    if f.kind in ("bytes", "str"):
+        offsets = np.frombuffer(buf, np.int64, n + 1, f.aux)
+        if f.view:
+            data = np.frombuffer(buf, np.uint8, f.nbytes, f.offset) if f.nbytes else np.zeros(0, np.uint8)
+            return PackedBytes(torch.from_numpy(data), torch.from_numpy(offsets), f.kind)
+        cuts = offsets.tolist()
+        with memoryview(buf) as whole:
+            mv = whole.cast("B")[f.offset:f.offset + f.nbytes]
+            if f.kind == "bytes":
+                return [mv[a:b].tobytes() for a, b in zip(cuts, cuts[1:])]
+            if f.ascii:
+                text = str(mv, "ascii")
+                return [text[a:b] for a, b in zip(cuts, cuts[1:])]
+            return [str(mv[a:b], "utf-8") for a, b in zip(cuts, cuts[1:])]
+    ndim = f.shape[1]
+    starts = np.frombuffer(buf, np.int64, n, f.aux).tolist()
+    shapes = np.frombuffer(buf, np.int64, n * ndim, f.aux + 8 * n).reshape(n, ndim).tolist()
+    dtype = _dtype(f.dtype)
+    out = [np.frombuffer(buf, dtype, math.prod(shape), f.offset + at).reshape(shape)
+           for at, shape in zip(starts, shapes)]
+    return [torch.from_numpy(a) for a in out] if f.kind == "tensors" else out
+
+
+class PackedBytes:
+    """A batch's ``bytes`` or ``str`` column as one buffer and its offsets (``bytes_views=True``):
+    value ``i`` is ``data[offsets[i]:offsets[i + 1]]``, viewing the batch's shared memory (which it
+    keeps, as a tensor of the batch does). ``p[i]``: a ``memoryview`` of the bytes, or the decoded
+    ``str`` (``kind``); ``p.tensor(i)``: a uint8 tensor view (e.g. for
+    ``torchvision.io.decode_jpeg``); ``p.tolist()``: what ``default_collate`` gives, a list of
+    ``bytes`` or ``str``. ``pin_memory()`` pins ``data`` and ``offsets``, as torch's pinning
+    thread asks. Not a ``Sequence`` subclass, so that torch's ``default_convert`` leaves it whole.
+    Thread-safe to read."""
+
+    __slots__ = ("data", "offsets", "kind")
+
+    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, kind: str) -> None:
+        self.data, self.offsets, self.kind = data, offsets, kind
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def _span(self, i: int) -> tuple[int, int]:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for {n} values")
+        i %= n
+        return int(self.offsets[i]), int(self.offsets[i + 1])
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        a, b = self._span(i)
+        raw = memoryview(self.data.numpy())[a:b]
+        return str(raw, "utf-8") if self.kind == "str" else raw
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
+
+    def tensor(self, i: int) -> torch.Tensor:
+        """Value ``i``'s bytes as a uint8 tensor viewing the batch."""
+        a, b = self._span(i)
+        return self.data[a:b]
+
+    def tolist(self) -> list[Any]:
+        cuts = self.offsets.tolist()
+        raw = self.data.numpy().tobytes()
+        if self.kind == "str":
+            return [raw[a:b].decode("utf-8") for a, b in zip(cuts, cuts[1:])]
+        return [raw[a:b] for a, b in zip(cuts, cuts[1:])]
+
+    def pin_memory(self, device: Any = None) -> PackedBytes:
+        return PackedBytes(self.data.pin_memory(), self.offsets.pin_memory(), self.kind)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return PackedBytes, (self.data, self.offsets, self.kind)
+
+    def __repr__(self) -> str:
+        return f"PackedBytes({len(self)} {self.kind} values, {self.data.numel()} bytes)"
+
+
 def assemble(samples: Sequence[Any], batch: BatchPlan, ring: BatchRing | None = None) -> Any:
-    """The collated batch of ``samples`` (planned as ``batch``): its fixed columns in ``ring`` when
-    it has a free slot of the right size, else in ordinary memory."""
+    """The collated batch of ``samples`` (planned as ``batch``): its columns in ``ring`` when it
+    has a free slot of the right size, else in ordinary memory."""
     fields = batch.fields
     slot = ring.acquire(batch.nbytes) if ring is not None and fields else None
-    if slot is None:
-        arrays = [np.empty(f.shape, np.dtype(f.dtype)) for f in fields]
-    else:
-        assert ring is not None
-        arrays = [ring.view(slot, f) for f in fields]
+    buf = ring.buffer(slot) if slot is not None else np.empty(max(batch.nbytes, 1), np.uint8)  # type: ignore[union-attr]
     try:
-        fill(fields, arrays, [c for c in batch.leaves if isinstance(c, _Fixed)])
+        fill(fields, buf, [c for c in batch.leaves if not isinstance(c, _Done)])
     except BaseException:
         if slot is not None:
             assert ring is not None
             ring.abandon(slot)
         raise
     if slot is None:
-        made = iter([torch.from_numpy(a) for a in arrays])
+        made = iter(values(buf, fields))
     else:
         assert ring is not None
         made = iter(ring.publish(slot, fields))
@@ -226,12 +451,12 @@ def assemble(samples: Sequence[Any], batch: BatchPlan, ring: BatchRing | None = 
 
     def leaf(values: list[Any], *, collate_fn_map: Any = None) -> Any:
         c = next(planned)
-        return next(made) if isinstance(c, _Fixed) else c.value
+        return c.value if isinstance(c, _Done) else next(made)
 
     return _walk_with(samples, leaf)
 
 
 def collate(samples: Sequence[Any], ring: BatchRing | None = None) -> Any:
-    """Collate ``samples`` as ``default_collate`` does (see the module docstring), the fixed columns
+    """Collate ``samples`` as ``default_collate`` does (see the module docstring), the columns
     into ``ring`` when given."""
     return assemble(samples, plan(samples), ring)

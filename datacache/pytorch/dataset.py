@@ -68,6 +68,7 @@ from ..read.peers import attach, owned_keys, peer_stats, with_cluster_times
 from ..read.shard_source import ShardSource, tell_plan
 from ..store.storage import Store
 from .batches import RingCollator, batched, collate, sharing
+from .gather import Gatherer, gathered
 from .rounds import Rounds, WorkerBatches
 from .shared import STORE_FIELDS, AutoEpochs, OwnStats, main_token, shared_int, worker_token
 from .torch_compat import loader_batch
@@ -119,6 +120,10 @@ class StreamingDataset(tud.IterableDataset):
       refused). A rank's batches are dealt whole to the DataLoader workers, so ``len()`` batches
       come whatever ``num_workers`` is; with ``drop_last`` every batch is full.
     - ``collate_fn``: how batched mode collates a list of samples.
+    - ``bytes_views``: in batched mode with the default collation, each ``bytes`` or ``str``
+      field of a batch comes as one ``datacache.pytorch.collate.PackedBytes`` (zero-copy views of
+      the batch's shared memory: its ``data`` buffer and ``offsets``, ``p[i]``, ``p.tensor(i)``)
+      rather than default_collate's list of ``bytes`` or ``str`` (built with one copy).
     - ``replication=k``: the k consecutive ranks of a tensor/pipeline-parallel group receive
       identical samples; or pass ``dp_rank`` and ``dp_size`` (both) explicitly.
     - ``prefetch``, ``transfer``, ``retry``: the prefetch pool, the store's transfers and its
@@ -150,7 +155,8 @@ class StreamingDataset(tud.IterableDataset):
                  transfer: TransferConfig | None = None, retry: RetryConfig | None = None,
                  reader_options: Mapping[str, Any] | None = None, on_error: str = "raise",
                  dist: DistInfo | None = None, placement: str = "node", node_shuffle: str = "auto",
-                 shuffle_chunk: int | str | None = None, peers: PeerConfig | None = None) -> None:
+                 shuffle_chunk: int | str | None = None, bytes_views: bool = False,
+                 peers: PeerConfig | None = None) -> None:
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ValueError("on_error must be 'raise' or 'skip'")
@@ -171,6 +177,8 @@ class StreamingDataset(tud.IterableDataset):
         if node_shuffle not in NODE_SHUFFLE:
             raise ValueError(f"node_shuffle={node_shuffle!r}: expected one of {', '.join(NODE_SHUFFLE)}")
         self.transform, self.batch_size, self.collate_fn = transform, batch_size, collate_fn
+        self.bytes_views = bytes_views
+        self._pin = False  # set by datacache.DataLoader(pin_memory=True): the training process pins the rings
         self._loader_batched = False  # batch_size set by datacache.DataLoader: len() stays the sample count
         self.prefetch = prefetch or PrefetchConfig()
         self.on_error = on_error
@@ -375,9 +383,14 @@ class StreamingDataset(tud.IterableDataset):
         if self._consumer is not None:
             self._consumer.close()
         prefetch = cap_lookahead(self.prefetch, self.cache, self.manifest, len(self._node_dp_ranks()) * num_workers)
+        # Batched mode's default collation without a transform: runs read as tables, batches gathered
+        # (datacache.pytorch.gather); a node mix's compressed blocks decompressed once per epoch.
+        columnar = (self.batch_size is not None and self.collate_fn is collate and self.transform is None
+                    and self._mix is None and getattr(self.source.fmt.reader, "columns", None) is not None)
         consumer = Consumer(source=self.source, plan=plan, epoch=self.epoch, skip=skip, prefetch=prefetch,
                             schedule=schedule, on_error=self.on_error, lead=self._lead(spec, order, skip, plan.parts),
-                            marks=self._skips,
+                            marks=self._skips, columnar=columnar,
+                            block_cache=2 * spec.chunk_bytes if plan.rows is not None else 0,
                             name=f"datacache-prefetch-r{self.dp_rank}w{worker_id}")
         self._consumer = consumer
         self._resume_base = self._resume
@@ -429,13 +442,18 @@ class StreamingDataset(tud.IterableDataset):
         # ring (shared with the main process when this is a DataLoader worker): datacache.pytorch.batches.
         worker = tud.get_worker_info() is not None
         collate_fn = self._ring(shared=worker) if self.collate_fn is collate else self.collate_fn
+        gather = Gatherer(collate_fn) if consumer.columnar else None
         if worker:  # what the ring did not take goes into shared memory here, where a failure is raised
             collate_fn = sharing(collate_fn)
 
         def mark(position: int) -> None:  # what state_dict records: the position after the last batch out
             self._delivered = position
 
-        batches = batched(consumer, self._batches(consumer.plan, consumer.skip), collate_fn, transform, mark)
+        plan_batches = self._batches(consumer.plan, consumer.skip)
+        if gather is not None:
+            batches = gathered(consumer, plan_batches, sharing(gather) if worker else gather, mark)
+        else:
+            batches = batched(consumer, plan_batches, collate_fn, transform, mark)
         try:
             for batch in batches:
                 yield batch
@@ -454,8 +472,8 @@ class StreamingDataset(tud.IterableDataset):
     def _ring(self, shared: bool) -> RingCollator:
         """This process's batch ring, kept across epochs (a forked worker makes its own)."""
         ring = self._collator
-        if ring is None or ring.pid != os.getpid() or ring.shared != shared:
-            ring = self._collator = RingCollator(shared=shared)
+        if ring is None or ring.pid != os.getpid() or ring.shared != shared or ring.pin != self._pin:
+            ring = self._collator = RingCollator(shared=shared, pin=self._pin, bytes_views=self.bytes_views)
         return ring
 
     def _flush_stats(self, consumer: Consumer) -> None:

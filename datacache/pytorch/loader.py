@@ -89,6 +89,7 @@ class DataLoader(StatefulDataLoader):
                 raise ValueError("datacache.DataLoader: in_order=False is not supported over a StreamingDataset: its "
                                  "resume state counts on torch taking the workers' batches in turn")
             _configure(dataset, batch_size, collate_fn, drop_last)
+            dataset._pin = bool(pin_memory)  # the training process pins the batch rings (datacache.pytorch.batches)
             batch_size, collate_fn, drop_last = None, None, False
             kwargs.pop("snapshot_every_n_steps", None)
             self._plain = dict(batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **kwargs)

@@ -13,6 +13,14 @@ each unit (dcz block) loaded and read once, by the first run that reaches it, fo
 of this consumer too (``datacache.read.stash``): a run with nothing left to read skips both stages,
 its samples taken from the stash in the consumer's thread. Not thread-safe: one consumer per thread.
 
+Columnar mode (``columnar=True``; batched mode's default collation, no transform, not a part mix):
+the decode stage reads each run as one table per field (``readers.columns.Columns``; a format
+without columnar reads, or rows too irregular for one table, as a list of samples), and
+``steps()`` replaces iteration: per step, where each of its positions' rows lies in the open
+runs' tables, as arrays, so that ``datacache.pytorch.gather`` copies whole batches at once. A
+node-mixed plan's compressed blocks are decompressed once per epoch, however many chunks read
+rows of them (a ``BlockCache`` of ``block_cache`` bytes).
+
 ``on_error="skip"``: one warning and one count per unreadable shard, per epoch, on the node.
 
 With DataLoader workers, a node mix or a part mix, several consumers of the node read parts of one
@@ -38,7 +46,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from itertools import takewhile
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -48,13 +56,15 @@ from ..cache.node import CacheHandle
 from ..config import PrefetchConfig
 from ..errors import IntegrityError, NotFoundError, ReaderError
 from ..plan.epoch import ConsumerPlan
+from ..plan.ragged import Ragged
+from ..readers.zstd import BlockCache
 from .headstart import Lead, LeadItem
 from .lifecycle import parent_gone
 from .prefetch import Prefetcher
 from .shard_source import PartHandle, ShardSource
 from .stash import Stash, read_plan
 
-__all__ = ["Consumer", "SkipMarks"]
+__all__ = ["Consumer", "SkipMarks", "Step"]
 
 log = logging.getLogger("datacache.pytorch.dataset")
 
@@ -65,7 +75,7 @@ class Consumer:
     def __init__(self, *, source: ShardSource, plan: ConsumerPlan, epoch: int, skip: int, prefetch: PrefetchConfig,
                  schedule: Schedule | None, on_error: str, name: str,
                  lead: tuple[Sequence[LeadItem], Sequence[LeadItem]] = ((), ()),
-                 marks: SkipMarks | None = None) -> None:
+                 marks: SkipMarks | None = None, columnar: bool = False, block_cache: int = 0) -> None:
         """``source``: the dataset through the node cache; ``plan``: this consumer's reads in
         ``epoch``; ``skip``: plan positions already read (a resume); ``prefetch``: the fetch stage's
         config; ``schedule``: the node's schedule in force (``shards.tell_plan``), advanced as runs
@@ -77,8 +87,13 @@ class Consumer:
         shards one at a time, runs on every thread that waits), so the workers' first reads
         arrive one after another, each with the link to itself, in the order the loader needs them.
         ``marks``: the node's record of the shards skipped this run (``datacache.read.consumer``), so
-        that only the first consumer to skip a shard in an epoch counts and warns; None: this one does."""
+        that only the first consumer to skip a shard in an epoch counts and warns; None: this one does.
+        ``columnar``: read runs as tables and walk the plan with ``steps()`` (see the module
+        docstring; ignored for a part mix); ``block_cache``: bytes of decompressed blocks then
+        kept for later runs."""
         self.source, self.plan = source, plan
+        self.columnar = columnar and not plan.parts
+        self._blocks = BlockCache(block_cache) if self.columnar and block_cache > 0 else None
         self.manifest = source.manifest
         self.epoch, self.skip = epoch, skip
         self.on_error, self.marks = on_error, marks
@@ -177,6 +192,8 @@ class Consumer:
             return _Run(lo, None)
         try:
             rows = None if self.plan.rows is None else self.plan.rows[run]
+            if self.columnar:
+                return _Run(lo, self._columns(shard, handle, lo, hi, rows))
             if self._reads is not None and rows is not None:
                 return _Run(lo, self._part_samples(shard, handle, lo, rows, self._reads[self._position[run]]))
             return _Run(lo, self._read(shard, handle, lo, hi, rows))
@@ -211,6 +228,81 @@ class Consumer:
             for r in open_runs.values():
                 r.release()
             self.close()
+
+    def steps(self) -> Iterator[Step]:
+        """Columnar mode's walk of the plan (instead of iterating): per step with positions to
+        yield, a ``Step``. Runs close as they do when iterating; a step keeps its tables."""
+        plan = self.plan
+        assert self.columnar and plan.run_of is not None
+        run_of = plan.run_of
+        table_rows = self._table_rows()
+        needed = set(self.needed)
+        open_runs: dict[int, _Run] = {}
+        steps = plan.steps.tolist()
+        try:
+            for i in range(len(steps) - 1):
+                if i in needed:
+                    open_runs[i] = self._open(i)
+                p0, p1 = max(steps[i], self.skip), steps[i + 1]
+                if p1 > p0:
+                    ids = sorted(open_runs)
+                    tables = [open_runs[r].samples for r in ids]
+                    slot = np.searchsorted(ids, run_of[p0:p1])
+                    pos, row = np.arange(p0, p1, dtype=np.int64), table_rows[p0:p1]
+                    dead = [j for j, t in enumerate(tables) if t is None]  # skipped shards (on_error="skip")
+                    if dead:
+                        live = ~np.isin(slot, dead)
+                        slot, pos, row = slot[live], pos[live], row[live]
+                    if len(pos):
+                        yield Step(tables, slot, row, pos)
+                done = open_runs.pop(i - plan.window + 1, None)
+                if done is not None:
+                    done.release()
+            self.consumed = max(self.consumed, len(plan))
+        finally:
+            for r in open_runs.values():
+                r.release()
+            self.close()
+
+    def _table_rows(self) -> np.ndarray:
+        """Per plan position, its row in its run's table: the run's shard-local row less ``lo``,
+        or in a node-mixed plan the row's place among the rows the run reads."""
+        plan = self.plan
+        assert plan.samples is not None and plan.run_of is not None
+        shards = np.array([r[0] for r in plan.runs] or [0], dtype=np.int64)
+        los = np.array([r[1] for r in plan.runs] or [0], dtype=np.int64)
+        local = plan.samples - np.asarray(self.manifest.offsets)[shards[plan.run_of]]
+        if plan.rows is None:
+            return local - los[plan.run_of]
+        rows = Ragged.of(plan.rows)
+        if not len(rows.flat):
+            return np.zeros(len(local), np.int64)
+        span = int(max(int(local.max(initial=0)), int(rows.flat.max()))) + 1
+        keys = np.repeat(np.arange(len(rows), dtype=np.int64), rows.sizes()) * span + rows.flat
+        wanted = plan.run_of * span + local
+        if (np.diff(keys) < 0).any():  # rows not sorted within a run: search them sorted
+            order = np.argsort(keys, kind="stable")
+            return order[np.searchsorted(keys[order], wanted)] - rows.cuts[plan.run_of]
+        return np.searchsorted(keys, wanted) - rows.cuts[plan.run_of]
+
+    def _columns(self, shard: int, handle: CacheHandle, lo: int, hi: int, rows: np.ndarray | None) -> Any:
+        """Columnar mode's read of a run: its table, or where the format or the rows allow none,
+        its samples in table order (a list); None if the shard is skipped."""
+        try:
+            table = None if rows is not None and (np.diff(rows) < 0).any() else \
+                self.source.read_columns(shard, handle, lo, hi, rows, self._blocks)
+        except (ReaderError, IntegrityError) as err:
+            if self.on_error != "skip":
+                raise
+            self._skip(shard, err)
+            return None
+        if table is not None:
+            return table
+        got = self._read(shard, handle, lo, hi, rows)
+        if isinstance(got, dict):
+            assert rows is not None
+            return [got[r - lo] for r in rows.tolist()]
+        return got
 
     def _open(self, run: int) -> "_Run":
         """Run ``run``'s samples (the consumer's thread): from the decode stage, or for a part
@@ -310,6 +402,8 @@ class Consumer:
         self.prefetcher.close()
         self.decoder.close()
         self._stash.clear()
+        if self._blocks is not None:
+            self._blocks.clear()
         if self.plan.parts:
             self.source.forget_parts()
 
@@ -342,6 +436,17 @@ def _first_chunk(plan: ConsumerPlan, needed: list[int]) -> int:
         return 1
     starts = plan.run_starts  # runs are in chunk order: the first chunk's are a prefix of needed
     return sum(1 for _ in takewhile(lambda r: starts[r] == starts[needed[0]], needed))
+
+
+class Step(NamedTuple):
+    """One step of a columnar consumer (``Consumer.steps``): the open runs' ``tables`` (each a
+    ``readers.columns.Columns``, or a list of samples), and per position it yields (``pos``, plan
+    positions, ascending) the table it reads (``slot``, an index into ``tables``) and its row there."""
+
+    tables: list[Any]
+    slot: np.ndarray
+    row: np.ndarray
+    pos: np.ndarray
 
 
 class _Run:

@@ -330,6 +330,17 @@ class ShardSource:
             return dict(zip(rows, r.get_many(rows, copy=copy)))
         return self._with_reader(shard, handle, read)
 
+    def read_columns(self, shard: int, handle: CacheHandle, lo: int, hi: int, rows: Any = None,
+                     blocks: Any = None) -> Any:
+        """Samples ``lo`` to ``hi - 1`` of the fetched shard (or only ``rows``, sorted, within
+        them) as one ``readers.columns.Columns`` table, or None where the format has no columnar
+        reads or the rows are too irregular for one table (``ZstdShardReader.columns``;
+        ``blocks``: its ``BlockCache``)."""
+        def read(r: Any) -> Any:
+            columns = getattr(r, "columns", None)
+            return None if columns is None else columns(lo, hi, rows, blocks)
+        return self._with_reader(shard, handle, read)
+
     def _with_reader(self, shard: int, handle: "CacheHandle | PartHandle", work: Callable[[Any], Any]) -> Any:
         if isinstance(handle, PartHandle):
             try:

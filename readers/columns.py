@@ -1,0 +1,202 @@
+"""Columnar reads: the samples of a run as one table per field, for vectorised batch gathers.
+
+A per-sample read returns a ``dict`` per sample, built in Python: at a million small samples a
+second that dict, and every walk over it, is the cost. A :class:`Columns` instead describes the
+run's rows field by field with numpy arrays: where each row's value bytes lie in this process's
+memory (``addr``, absolute addresses into buffers the table keeps alive: the mapped file for a
+raw block, the decompressed buffer of a compressed one), how long they are (``size``), and for an
+``ndarray`` field its dtype and each row's shape. A batch is then gathered from these addresses
+into its buffer with one vectorised copy per field (``datacache.pytorch.gather``), with no
+Python work per sample.
+
+:func:`parse_rows` builds a table from the encoded samples (:func:`readers.codec.encode_sample`)
+at given addresses, validating, vectorised, what :func:`readers.codec.decode_sample` validates
+(lengths that fit, no trailing bytes, array headers that agree with their data) except the UTF-8
+of ``str`` values (checked where the batch is gathered). It returns None where the rows are not
+regular enough for one table (an ``ndarray`` field whose rows differ in dtype or number of
+dimensions, or anything malformed): the caller then reads those samples one by one, which
+raises the precise error where there is one.
+
+:func:`address_view` is the primitive under both: a uint8 array over a span of this process's
+address space, to index at absolute addresses. It is only ever indexed at addresses inside
+buffers that the caller keeps alive; the span between them is never touched.
+
+Pure functions and immutable tables; thread-safe.
+"""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .codec import Sample, Schema, decode_field
+
+__all__ = ["Column", "Columns", "parse_rows", "address_view", "address_of"]
+
+
+class _Span:
+    """A bare ``__array_interface__`` over addresses ``[lo, lo + n)`` (see ``address_view``)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, lo: int, n: int) -> None:
+        self.__array_interface__ = {"data": (lo, False), "shape": (n,), "typestr": "|u1", "version": 3}
+
+
+def address_view(lo: int, hi: int) -> np.ndarray:
+    """A writable uint8 array over this process's addresses ``[lo, hi)``. Index it only at addresses
+    inside live buffers (see the module docstring): nothing else in the span is mapped for sure."""
+    return np.asarray(_Span(lo, max(1, hi - lo)))
+
+
+def address_of(buf: Any) -> int:
+    """The address of the first byte of ``buf`` (a buffer-protocol object, e.g. a memoryview)."""
+    return int(np.frombuffer(buf, np.uint8, 1).ctypes.data) if len(memoryview(buf)) else 0
+
+
+class Column(NamedTuple):
+    """One field of a :class:`Columns` table (``n`` rows)."""
+
+    kind: str  # the schema's kind: int, float, bytes, str, ndarray
+    addr: np.ndarray  # int64 (n,): each row's value bytes start here
+    size: np.ndarray  # int64 (n,): and are this long
+    dtype: str  # numpy dtype.str of every row's value ("<i8", "<f8", "|u1" for bytes and str)
+    shape: np.ndarray  # int64 (n, ndim): each row's shape (ndarray; (n, 0) for the others)
+
+
+_KIND_DTYPE = {"int": "<i8", "float": "<f8", "bytes": "|u1", "str": "|u1"}
+
+
+class Columns:
+    """``n`` rows of one run, field by field (see the module docstring); ``keep``: the buffers
+    their addresses point into, alive as long as the table."""
+
+    __slots__ = ("n", "fields", "keep")
+
+    def __init__(self, n: int, fields: dict[str, Column], keep: Sequence[Any]) -> None:
+        self.n, self.fields, self.keep = n, fields, list(keep)
+
+    def sample(self, i: int) -> Sample:
+        """Row ``i`` as :func:`readers.codec.decode_sample` gives it, in memory of its own."""
+        out: Sample = {}
+        for name, c in self.fields.items():
+            raw = ctypes.string_at(int(c.addr[i]), int(c.size[i])) if c.size[i] else b""
+            if c.kind == "ndarray":
+                shape = tuple(int(d) for d in c.shape[i])
+                out[name] = np.frombuffer(bytearray(raw), np.dtype(c.dtype)).reshape(shape) if raw else \
+                    np.empty(shape, np.dtype(c.dtype))
+            else:
+                out[name] = decode_field(c.kind, raw)
+        return out
+
+    @staticmethod
+    def concat(columns: Sequence[Column]) -> Column:
+        """One field's columns (of one dtype and number of dimensions) one after the other."""
+        c = columns[0]
+        return Column(c.kind, np.concatenate([x.addr for x in columns]), np.concatenate([x.size for x in columns]),
+                      c.dtype, np.concatenate([x.shape for x in columns]))
+
+    @staticmethod
+    def join(parts: Sequence[Columns]) -> Columns | None:
+        """The rows of ``parts`` one after the other; None if a field's dtype or number of
+        dimensions differs between them."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0].fields
+        fields = {}
+        for name, c in first.items():
+            cols = [p.fields[name] for p in parts]
+            if any(x.dtype != c.dtype or x.shape.shape[1] != c.shape.shape[1] for x in cols):
+                return None
+            fields[name] = Columns.concat(cols)
+        return Columns(sum(p.n for p in parts), fields, [k for p in parts for k in p.keep])
+
+
+_MAX_DIM = 1 << 40  # a larger declared dimension is left to the per-sample decode (exact integers)
+
+
+def _u64(span: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The little-endian u64 at each of ``at`` (offsets into ``span``), as int64 (negative where >= 2^63)."""
+    if len(span) < 8:
+        return np.full(len(at), -1, np.int64)
+    words = np.ndarray((len(span) - 7,), dtype="<i8", buffer=span, strides=(1,))  # one at every byte
+    return words[at]
+
+
+def parse_rows(span: np.ndarray, base: int, start: np.ndarray, length: np.ndarray, schema: Schema) -> Columns | None:
+    """The table of the encoded samples at offsets ``start`` of ``span`` (``length`` bytes each;
+    ``span[0]`` is at address ``base``), or None (see the module docstring). The caller sets the
+    table's ``keep``."""
+    n = len(start)
+    pos = start.astype(np.int64)
+    end = pos + length.astype(np.int64)
+    fields: dict[str, Column] = {}
+    if n == 0:
+        z = np.zeros(0, np.int64)
+        return Columns(0, {k: Column(v, z, z, _KIND_DTYPE.get(v, "|u1"), np.zeros((0, 0), np.int64))
+                           for k, v in schema.items()}, [])
+    for name, kind in schema.items():
+        if (end - pos < 8).any():
+            return None
+        size = _u64(span, pos)
+        pos = pos + 8
+        if (size < 0).any() or (size > end - pos).any():
+            return None
+        if kind in ("int", "float"):
+            if (size != 8).any():
+                return None
+            fields[name] = Column(kind, base + pos, size, _KIND_DTYPE[kind], np.zeros((n, 0), np.int64))
+        elif kind in ("bytes", "str"):
+            fields[name] = Column(kind, base + pos, size, "|u1", np.zeros((n, 0), np.int64))
+        elif kind == "ndarray":
+            col = _ndarray(span, base, pos, size)
+            if col is None:
+                return None
+            fields[name] = col
+        else:
+            return None
+        pos = pos + size
+    if (pos != end).any():
+        return None
+    return Columns(n, fields, [])
+
+
+def _ndarray(span: np.ndarray, base: int, pos: np.ndarray, size: np.ndarray) -> Column | None:
+    """An ``ndarray`` field's column: every row's header (dtype text, ndim, shape) checked against
+    row 0's (validated by the codec), its shape against its data bytes."""
+    n = len(pos)
+    if (size < 2).any():
+        return None
+    dlen = span[pos].astype(np.int64)
+    d0 = int(dlen[0])
+    if (dlen != d0).any() or (size < 2 + d0).any():
+        return None
+    fixed = span[pos[:, None] + np.arange(1, 2 + d0)]  # dtype text and ndim
+    if n > 1 and (fixed[1:] != fixed[0]).any():
+        return None
+    ndim = int(fixed[0, -1])
+    head = 2 + d0 + 8 * ndim
+    if (size < head).any():
+        return None
+    try:  # row 0 through the codec: a valid dtype and shape, or its error later, one by one
+        first = decode_field("ndarray", memoryview(span[int(pos[0]):int(pos[0] + size[0])]))
+    except Exception:  # noqa: BLE001 - any failure: the per-sample path raises the precise one
+        return None
+    dtype = first.dtype
+    if ndim:
+        shape = np.stack([_u64(span, pos + 2 + d0 + 8 * k) for k in range(ndim)], axis=1)
+        if (shape < 0).any() or (shape > _MAX_DIM).any():
+            return None
+        with np.errstate(over="ignore"):
+            cells = np.prod(shape.astype(np.float64), axis=1)
+        if (cells * dtype.itemsize > size).any():
+            return None
+        data = np.prod(shape, axis=1) * dtype.itemsize
+    else:
+        shape = np.zeros((n, 0), np.int64)
+        data = np.full(n, dtype.itemsize, np.int64)
+    if (data != size - head).any():
+        return None
+    return Column("ndarray", base + pos + head, data, dtype.str, shape)
