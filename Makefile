@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,bench]"
+	$(PY) -m pip install -q -c tests/constraints.txt -e ".[dev,bench]"
 	# MosaicML Streaming and LitData, which tests/test_foreign.py compares datacache's reading of their
 	# datasets against, without their dependencies (torchvision would not import beside this torch; the
 	# bench extra holds what they import): see tools/bench_systems.py
