@@ -252,9 +252,11 @@ def test_shared_ring_file_left_by_killed_processes_is_removed() -> None:
 
 
 def _ring_files() -> set[str]:
+    """This process's batch rings in /dev/shm (a ring is named after its training process, the worker's
+    parent): the suite runs in several processes at once, whose tests make rings of their own."""
     if not os.path.isdir("/dev/shm"):
         return set()
-    return {n for n in os.listdir("/dev/shm") if n.startswith("datacache-batch-")}
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"datacache-batch-{os.getpid()}-")}
 
 
 @pytest.mark.timeout(120)
