@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from tools import bench_nodes
-from tools.bench_peers import RANK_KEYS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(ROOT, "tools", "bench_systems.py")
@@ -51,6 +50,9 @@ class Meter:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+# the per-epoch fields every rank of a simulated node reports (tools/bench_peers.py joins them)
+RANK_KEYS = ("ids_bits", "peer_stats")
 
 
 def memcpy_rate(nbytes: int) -> float:

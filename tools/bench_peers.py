@@ -50,6 +50,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from tools.bench_launch import RANK_KEYS, _free_port
+
 SCENARIO = "peers"
 PEER_FACTOR = 4.0  # the peer links' default bandwidth, x the store link's
 PEER_LATENCY = 0.002  # s per request on a peer link (one switch hop)
@@ -104,7 +106,6 @@ class PeerLinks:
     ``DATACACHE_PEERS`` (the links). Context manager; the links stop on exit."""
 
     def __init__(self, nodes: int, bandwidth: float, latency: float) -> None:
-        from tools.bench_launch import _free_port
         from tools.slowlink import SlowLink
 
         self.servers = [_free_port() for _ in range(nodes)]
@@ -202,7 +203,6 @@ def peer_stats(stats: dict[str, Any]) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------- after a run (tools/bench.py)
-RANK_KEYS = ("ids_bits", "peer_stats")
 
 
 def finish(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
