@@ -17,11 +17,16 @@ regular enough for one table (an ``ndarray`` field whose rows differ in dtype or
 dimensions, or anything malformed): the caller then reads those samples one by one, which
 raises the precise error where there is one.
 
+:class:`RowLayouts` keeps what ``parse_rows`` found for each row of a shard (where each field's value
+lies from the row's start, its size and shape), so that a reader parses and validates a row once
+however many runs read it: a uniformly shuffled epoch reads each shard in many small runs.
+
 :func:`address_view` is the primitive under both: a uint8 array over a span of this process's
 address space, to index at absolute addresses. It is only ever indexed at addresses inside
 buffers that the caller keeps alive; the span between them is never touched.
 
-Pure functions and immutable tables; thread-safe.
+Pure functions and immutable tables, thread-safe; a ``RowLayouts`` belongs to one reader, which is
+used by one thread at a time.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ import numpy as np
 
 from .codec import Sample, Schema, decode_field
 
-__all__ = ["Column", "Columns", "parse_rows", "address_view", "address_of"]
+__all__ = ["Column", "Columns", "RowLayouts", "parse_rows", "address_view", "address_of"]
 
 
 class _Span:
@@ -200,3 +205,64 @@ def _ndarray(span: np.ndarray, base: int, pos: np.ndarray, size: np.ndarray) -> 
     if (data != size - head).any():
         return None
     return Column("ndarray", base + pos + head, data, dtype.str, shape)
+
+
+class RowLayouts:
+    """Each parsed row's layout in one shard (``n`` rows): per field, where its value starts from the
+    row's first byte, its size and its shape. A shard's bytes never change under its reader, so a
+    row parsed once (and validated by ``parse_rows``) is not parsed again; only its address, which
+    depends on where its block lies in memory now, is computed per call. Rows whose layouts
+    disagree (an ``ndarray`` field of two dtypes in one shard) switch the cache off: every call then
+    parses its rows, as without it. Not thread-safe (its reader's)."""
+
+    __slots__ = ("schema", "parsed", "fields", "off")
+
+    def __init__(self, n: int, schema: Schema) -> None:
+        self.schema = schema
+        self.parsed: np.ndarray | None = np.zeros(n, bool)  # None: switched off
+        self.fields: dict[str, Column] = {}  # per field: kind, dtype; size and shape of every row
+        self.off: dict[str, np.ndarray] = {}  # per field: each row's value start, from the row's start
+
+    def table(self, rows: np.ndarray, at: np.ndarray, length: np.ndarray) -> Columns | None:
+        """The table of shard rows ``rows``, encoded at absolute addresses ``at`` (``length`` bytes
+        each, in buffers the caller keeps alive), as ``parse_rows`` gives it; the caller sets its
+        ``keep``."""
+        if self.parsed is None or not len(rows):
+            return _parse_at(at, length, self.schema)
+        new = ~self.parsed[rows]
+        if new.any():
+            got = _parse_at(at[new], length[new], self.schema)
+            if got is None:
+                return None
+            if not self._add(rows[new], at[new], got):
+                self.parsed = None
+                return _parse_at(at, length, self.schema)
+        return Columns(len(rows), {name: Column(c.kind, at + self.off[name][rows], c.size[rows], c.dtype,
+                                                c.shape[rows]) for name, c in self.fields.items()}, [])
+
+    def _add(self, rows: np.ndarray, at: np.ndarray, got: Columns) -> bool:
+        """Keep ``got``'s rows' layouts; False where they disagree with the rows kept before."""
+        assert self.parsed is not None
+        n = len(self.parsed)
+        if not self.fields:
+            for name, c in got.fields.items():
+                self.fields[name] = Column(c.kind, np.zeros(0, np.int64), np.zeros(n, np.int64), c.dtype,
+                                           np.zeros((n, c.shape.shape[1]), np.int64))
+                self.off[name] = np.zeros(n, np.int64)
+        for name, c in got.fields.items():
+            mine = self.fields[name]
+            if c.dtype != mine.dtype or c.shape.shape[1] != mine.shape.shape[1]:
+                return False
+        for name, c in got.fields.items():
+            mine = self.fields[name]
+            self.off[name][rows] = c.addr - at
+            mine.size[rows] = c.size
+            mine.shape[rows] = c.shape
+        self.parsed[rows] = True
+        return True
+
+
+def _parse_at(at: np.ndarray, length: np.ndarray, schema: Schema) -> Columns | None:
+    """``parse_rows`` of rows at absolute addresses ``at``."""
+    first, last = int(at.min()), int((at + length).max())
+    return parse_rows(address_view(first, last), first, at - first, length, schema)

@@ -16,6 +16,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ COUNTERS = (
     "partial_bytes",
 )
 _D = struct.Struct("<d")
+TOUCH_EVERY = 1.0  # seconds a process keeps its uses' atimes before it writes them (``Index.touch``)
 _log = logging.getLogger("datacache.cache.node")
 
 # One environment per path per process: LMDB must not be opened twice in one process (closing
@@ -86,6 +88,7 @@ def _after_fork_in_child() -> None:
     for index in list(_indexes):
         index._lock = threading.Lock()  # another thread of the parent may have held it
         index._pending = {}  # the parent's deltas are the parent's to write
+        index._atimes = {}  # and its uses
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
@@ -142,6 +145,8 @@ class Index:
         self._pid = -1
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}
+        self._atimes: dict[str, float] = {}  # uses (``touch``) not yet written, by key
+        self._touched = time.monotonic()  # when they were last written
         self._warned = -1  # the pid that warned of a failed counter flush
         _indexes.add(self)
 
@@ -176,9 +181,13 @@ class Index:
         """A write transaction; per-process counter deltas are flushed into it (and kept pending
         if it fails). ``CacheError`` if LMDB fails (a full file system)."""
         taken: dict[str, float] = {}
+        atimes: dict[str, float] = {}
         try:
             with self._translated("written"), _txn_gate(), self.env.begin(write=True) as txn:
                 t = Txn(txn, self._dbs)
+                with self._lock:
+                    atimes, self._atimes, self._touched = self._atimes, {}, time.monotonic()
+                t.apply_atimes(atimes)  # first: an eviction in this transaction sees this process's uses
                 yield t
                 with self._lock:  # after the body: what it counted goes into this transaction too
                     taken, self._pending = self._pending, {}
@@ -186,6 +195,9 @@ class Index:
         except BaseException:
             if taken:
                 self.count(**taken)
+            with self._lock:
+                for k, v in atimes.items():
+                    self._atimes.setdefault(k, v)
             raise
 
     def count(self, **deltas: float) -> None:
@@ -194,11 +206,22 @@ class Index:
             for k, v in deltas.items():
                 self._pending[k] = self._pending.get(k, 0.0) + v
 
+    def touch(self, key: str) -> None:
+        """Record a use of ``key`` now (its ``atime``, for the eviction policy): written with this
+        process's next write transaction, at most ``TOUCH_EVERY`` seconds later. An eviction decided in
+        this process sees it at once (it runs in a write transaction); other processes up to then."""
+        now = time.time()
+        with self._lock:
+            self._atimes[key] = now
+            due = time.monotonic() - self._touched >= TOUCH_EVERY
+        if due:
+            self.flush()
+
     def flush(self) -> None:
         """Write this process's pending counter deltas now (``stats``, ``close``). Where the index
         cannot be written (a full file system) they stay pending, with one warning per process:
         counters are not worth failing a training step for."""
-        if not self._pending:
+        if not self._pending and not self._atimes:
             return
         try:
             with self.write():
@@ -236,6 +259,14 @@ class Txn:
 
     def delete(self, key: str) -> None:
         self.txn.delete(key.encode(), db=self.dbs["entries"])
+
+    def apply_atimes(self, atimes: dict[str, float]) -> None:
+        """Move each present key's ``atime`` forward to its use in ``atimes`` (``Index.touch``)."""
+        for key, at in atimes.items():
+            e = self.get(key)
+            if e is not None and e.atime < at:
+                e.atime = at
+                self.put(key, e)
 
     def items(self) -> Iterator[tuple[str, Entry]]:
         with self.txn.cursor(db=self.dbs["entries"]) as cur:

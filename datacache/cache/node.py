@@ -192,11 +192,7 @@ class NodeCache:
 
     def _touch(self, key: str, tier: str, size: int) -> None:
         self.index.count(**{f"hits_{tier}": 1, f"bytes_{tier}": size})
-        with self.index.write() as txn:
-            e = txn.get(key)
-            if e is not None:
-                e.atime = time.time()
-                txn.put(key, e)
+        self.index.touch(key)
 
     def _verify(self, key: str, entry: Entry, tier: str, rec: dict[str, str], fd: int) -> bool:
         """Re-hash an entry file before serving it, through the pinned ``fd`` (another thread may

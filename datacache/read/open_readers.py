@@ -32,6 +32,7 @@ class OpenShards:
     def __init__(self, max_open: int = 64, sweep_every: float = 1.0, max_held: int = 256 << 20) -> None:
         self.max_open, self.sweep_every, self.max_held = max_open, sweep_every, max_held
         self._swept = 0.0
+        self._holding = False  # whether a reader ever held memory of its own (else none is summed)
         self._idle: collections.OrderedDict[tuple[str, str, str], tuple[Any, tuple[int, int, int]]] = \
             collections.OrderedDict()
         self._lock = threading.Lock()
@@ -60,7 +61,8 @@ class OpenShards:
             old = self._idle.pop(key, None)
             self._idle[key] = (reader, reader._datacache_identity)
             over = [self._idle.popitem(last=False)[1][0] for _ in range(len(self._idle) - self.max_open)]
-            held = sum(_held(r) for r, _ in self._idle.values())
+            self._holding = self._holding or _held(reader) > 0  # only some formats' readers hold memory
+            held = sum(_held(r) for r, _ in self._idle.values()) if self._holding else 0
             while held > self.max_held and len(self._idle) > 1:  # the oldest first, never the newest
                 out = self._idle.popitem(last=False)[1][0]
                 held -= _held(out)
