@@ -13,8 +13,9 @@ Layout (integers little-endian)::
 
 Each block holds the :func:`readers.codec.encode_sample` bytes of consecutive samples (about
 ``block_bytes`` raw; a larger sample gets a block of its own), so ``get(i)`` decompresses one
-block. A block that zstd shrinks by less than 1/32 (already-compressed images, audio, random
-bytes) is stored raw, flagged by the top bit of its ``file_offset`` (``RAW_BLOCK``, with compressed_len ==
+block. A block that zstd shrinks by less than ``min_saving`` (default 1/8: already-compressed
+images, audio, random bytes, and arrays of such values, whose only redundancy is the samples'
+own headers) is stored raw, flagged by the top bit of its ``file_offset`` (``RAW_BLOCK``, with compressed_len ==
 raw_len): its samples are read in place, zero-copy views of the file mapped copy-on-write
 (``readers._cowmap``: writable, and a write never reaches the file). Compressed blocks are
 decompressed into pooled, reused buffers (``readers._bufpool``). Every declared size is validated
@@ -51,14 +52,15 @@ from .base import ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
 from .codec import Sample, Schema, decode_sample, decode_uniform, encode_sample, owned
-from .columns import Columns, address_of, address_view, parse_rows
+from .columns import Columns, RowLayouts, address_of, parse_rows
 from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
 __all__ = ["ZstdShardReader", "ZstdShardWriter", "BlockCache", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
-           "DEFAULT_MAX_BLOCK_BYTES", "RAW_BLOCK"]
+           "DEFAULT_MAX_BLOCK_BYTES", "DEFAULT_MIN_SAVING", "RAW_BLOCK"]
 
 DEFAULT_BLOCK_BYTES = 1 << 20
 DEFAULT_MAX_BLOCK_BYTES = 1 << 30
+DEFAULT_MIN_SAVING = 1 / 8  # a block zstd shrinks by less is stored raw (``ZstdShardWriter``)
 
 
 class ZstdShardWriter(_BaseWriter):
@@ -68,16 +70,21 @@ class ZstdShardWriter(_BaseWriter):
     :class:`zstandard.ZstdCompressionDict` to compress with (stored in the file), or
     ``train_dictionary=True`` to train one of ``dict_size`` bytes on the first
     ``dict_train_samples`` samples (or the first ``128 * dict_size`` bytes, whichever comes
-    first; if training fails, e.g. too little data, no dictionary is used).
+    first; if training fails, e.g. too little data, no dictionary is used). ``min_saving``: a
+    block that zstd shrinks by less than this share of its bytes is stored raw, read in place
+    (zero-copy) rather than decompressed by every read of it; 0 keeps every block zstd shrinks.
     """
 
     def __init__(self, path: str | os.PathLike[str], schema: Schema, *,
                  block_bytes: int = DEFAULT_BLOCK_BYTES, level: int = 3,
                  dictionary: zstandard.ZstdCompressionDict | None = None,
                  train_dictionary: bool = False, dict_train_samples: int = 1024,
-                 dict_size: int = 64 * 1024,
+                 dict_size: int = 64 * 1024, min_saving: float = DEFAULT_MIN_SAVING,
                  max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES) -> None:
         super().__init__(path, schema)
+        if not 0 <= min_saving < 1:
+            raise ValueError(f"min_saving must be in [0, 1), got {min_saving}")
+        self.min_saving = min_saving
         if not 1 <= block_bytes <= max_block_bytes:
             raise ValueError(f"block_bytes must be in [1, {max_block_bytes}], got {block_bytes}")
         if dictionary is not None and train_dictionary:
@@ -145,7 +152,7 @@ class ZstdShardWriter(_BaseWriter):
         assert self._cctx is not None
         raw = b"".join(self._block)
         frame = self._cctx.compress(raw)
-        if len(frame) <= len(raw) - (len(raw) >> 5):  # zstd saves at least 1/32: keep it
+        if len(frame) < len(raw) and len(raw) - len(frame) >= self.min_saving * len(raw):  # worth decompressing
             self._blocks.extend((self._file.tell(), len(frame), len(raw), self._block_first))
             self._file.write(frame)
         else:  # incompressible: stored raw, read in place
@@ -197,11 +204,13 @@ class ZstdShardReader(_BaseReader):
         self._size = -1
         self._dict_bytes: bytes | None = None
         self._cached: tuple[int, memoryview] = (-1, memoryview(b""))
+        self._layouts: RowLayouts | None = None  # the rows ``columns`` parsed
         self._ensure_open()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_cached"] = None  # a view of this process's pooled buffer
+        state["_layouts"] = None  # parsed again where needed
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -259,6 +268,15 @@ class ZstdShardReader(_BaseReader):
 
     def __len__(self) -> int:
         return self._n
+
+    @property
+    def inflated_fraction(self) -> float:
+        """The share of this shard's sample bytes in compressed blocks: a read decompresses those
+        into memory of its own, and reads the rest (raw blocks) in place from the mapped file."""
+        rlen = self._blocks[:, 2].astype(np.float64)
+        total = float(rlen.sum())
+        packed = (self._blocks[:, 0] & np.uint64(RAW_BLOCK)) == 0
+        return float(rlen[packed].sum()) / total if total else 0.0
 
     def _block_of(self, index: int) -> int:
         return int(np.searchsorted(self._first, index, side="right")) - 1
@@ -412,8 +430,9 @@ class ZstdShardReader(_BaseReader):
             base[i] = address_of(buf)
         at = np.repeat(base, np.diff(np.append(starts, len(idx)))) + self._samples[idx, 0].astype(np.int64)
         length = self._samples[idx, 1].astype(np.int64)
-        first, last = int(at.min()), int((at + length).max())
-        table = parse_rows(address_view(first, last), first, at - first, length, self.schema or {})
+        if self._layouts is None:
+            self._layouts = RowLayouts(self._n, self.schema or {})
+        table = self._layouts.table(idx, at, length)
         if table is not None:
             table.keep = keep
         return table

@@ -30,10 +30,12 @@ pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:Use
 
 
 def sample(i: int) -> dict[str, Any]:
-    """Sample ``i``: a fixed array (incompressible, so some blocks are stored raw), bytes and str
-    of varying lengths (some non-ASCII), a ragged array, a 0-d array and numbers."""
+    """Sample ``i``: a fixed array (incompressible, or zeros in every other run of 32 samples, so
+    some blocks are stored raw and some compressed), bytes and str of varying lengths (some
+    non-ASCII), a ragged array, a 0-d array and numbers."""
     rng = np.random.default_rng(i)
-    return {"image": rng.integers(0, 255, (24, 24, 3), dtype=np.uint8),
+    image = rng.integers(0, 255, (24, 24, 3), dtype=np.uint8) if i // 32 % 2 else np.zeros((24, 24, 3), np.uint8)
+    return {"image": image,
             "blob": rng.bytes(i % 97),
             "text": ("é" if i % 7 == 0 else "x") * (i % 13) + str(i),
             "tokens": np.arange(i % 11, dtype=np.int32) + i,
