@@ -71,7 +71,7 @@ import numpy as np
 
 from .node_assign import node_part, node_pieces
 from .node_share import digest, memo
-from .node_shuffle import DEFAULT_CHUNK_BYTES, chunk_runs, chunk_samples, mix_positions, node_mixes
+from .node_shuffle import DEFAULT_CHUNK_BYTES, MIX_GROWTH, chunk_runs, chunk_samples, mix_positions, node_mixes
 from .part_shuffle import PART_WINDOW, part_chunk, part_mixes, part_piece, part_rows
 from .pieces import Pieces
 
@@ -401,7 +401,7 @@ def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int,
     else:
         source = mix_positions(np.arange(lo, hi), len(block), seed=spec.seed, epoch=spec.epoch, node=spec.node)
         piece = block.at(source, offsets)
-    c = chunk_runs(piece, offsets, chunk)
+    c = chunk_runs(piece, offsets, chunk, 2 if parts else MIX_GROWTH)
     samples, run_of = (None, None) if shards_only else (piece, c["run_of"])
     return ConsumerPlan(c["runs"], c["steps"], samples, run_of, len(piece), c["window"], padded, c["starts"],
                         rows=c["rows"], parts=parts, unit_rows=min(rows, spec.unit_rows or rows))

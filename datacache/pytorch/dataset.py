@@ -28,6 +28,7 @@ from dataclasses import replace
 from types import FrameType
 from typing import Any
 
+import numpy as np
 import numpy.ma  # noqa: F401 - the plan's np.unique imports it on first use: once here, not per forked worker
 import numpy.random  # noqa: F401 - the same (each import costs a starting DataLoader worker 40 ms of CPU)
 import torch.utils.data as tud
@@ -74,6 +75,8 @@ from .shared import STORE_FIELDS, AutoEpochs, OwnStats, main_token, shared_int, 
 from .torch_compat import loader_batch
 
 __all__ = ["StreamingDataset"]
+
+_IN_PLACE_GROWTH = 16  # a node mix's chunk, at most this many times its size when its rows are read in place
 
 
 class StreamingDataset(tud.IterableDataset):
@@ -218,6 +221,7 @@ class StreamingDataset(tud.IterableDataset):
         self._in_workers = shared_int()  # 1 while DataLoader workers iterate copies of this dataset
         self._iterations = 0  # iter() calls in this process: the latest one is the live iteration
         self._consumer: Consumer | None = None
+        self._inflation: float | None = None  # ``_in_place_chunk``'s probe of the cached shards, once known
         self._collator: RingCollator | None = None
         self._worker = (0, 1)
         self._turn = 1  # samples mode in a DataLoader worker: the samples torch batches from one worker at a time
@@ -285,11 +289,31 @@ class StreamingDataset(tud.IterableDataset):
             share = mixed_share(self.counts, replace(spec, mix_bytes=budget, mix_from=0))
             return share is not None and all(self.cache.contains(self.manifest.cache_key(int(s))) for s in share)
 
-        return replace(spec, **mix_fields(
+        fields = mix_fields(
             self.node_shuffle, self.shuffle_chunk, self.cache, consumers, epoch=spec.epoch,
             datasets=self._key_datasets, share_cached=None if self._mix is not None else share_cached,
             ident=(self.manifest.dataset_id, self.seed, self.dp_size, self.num_nodes, spec.node),
-            parts=self._mix is None and self.source.partial_reads))
+            parts=self._mix is None and self.source.partial_reads)
+        return replace(spec, **self._in_place_chunk(spec, fields))
+
+    def _in_place_chunk(self, spec: PlanSpec, fields: dict[str, Any]) -> dict[str, Any]:
+        """``fields`` (``mix_fields``) with a node mix's chunk enlarged where its rows are read in
+        place: the chunk (in shard bytes) bounds what a consumer's decoded rows hold in memory, and
+        rows in raw blocks hold none (zero-copy views of the cached files). So where the shards'
+        ``inflation`` (bytes decompressed per byte) is below 1 the chunk is that much larger, up to
+        ``_IN_PLACE_GROWTH`` times, in as many fewer runs. Not for a part mix (a cold epoch), a
+        mixed dataset, or a chunk the user set (``shuffle_chunk``)."""
+        if (self.shuffle_chunk or self._mix is not None or "part_bytes" in fields or not fields.get("mix_bytes")
+                or not isinstance(self.source, ShardSource)):
+            return fields
+        if self._inflation is None:
+            share = mixed_share(self.counts, replace(spec, **fields))
+            shards = share if share is not None and len(share) else np.arange(len(self.counts))
+            self._inflation = self.source.inflation(int(s) for s in shards[[0, len(shards) // 2, -1]])
+        if self._inflation is None:
+            return fields
+        grow = 1 / min(1.0, max(self._inflation, 1 / _IN_PLACE_GROWTH))
+        return {**fields, "chunk_bytes": int(fields["chunk_bytes"] * grow)}
 
     def _sources(self) -> list[ShardSource]:
         """The shard sources behind this dataset (a mix's streams', or its one)."""

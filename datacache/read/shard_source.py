@@ -308,6 +308,27 @@ class ShardSource:
         self._part_readers.close()
 
     # ------------------------------------------------------------------ read
+    def inflation(self, shards: Iterable[int]) -> float | None:
+        """Bytes of memory that reading ``shards`` decompresses per byte of them (the rest is read in
+        place from the cached files): the largest over those of them the node's cache holds now
+        (no fetch, no hit counted); None where it holds none of them, or the format does not say
+        (``inflation`` of its reader)."""
+        got = []
+        for shard in shards:
+            handle = self.cache.peek(self.key(shard))
+            if handle is None:
+                continue
+            try:
+                value = self._read_with(shard, handle.path, lambda r: getattr(r, "inflation", None), pooled=True)
+            except (ReaderError, IntegrityError):
+                return None  # read again, where the error is reported as a read's
+            finally:
+                handle.release()
+            if value is None:
+                return None
+            got.append(float(value))
+        return max(got) if got else None
+
     def read_runs(self, shard: int, handle: CacheHandle, lo: int, hi: int) -> list[Any]:
         """Samples ``lo`` to ``hi - 1`` of the fetched shard (``handle``), read sequentially."""
         return self._with_reader(shard, handle, lambda r: list(r.iter_range(lo, hi)))
