@@ -270,13 +270,13 @@ class ZstdShardReader(_BaseReader):
         return self._n
 
     @property
-    def inflated_fraction(self) -> float:
-        """The share of this shard's sample bytes in compressed blocks: a read decompresses those
-        into memory of its own, and reads the rest (raw blocks) in place from the mapped file."""
-        rlen = self._blocks[:, 2].astype(np.float64)
-        total = float(rlen.sum())
+    def inflation(self) -> float:
+        """Bytes of memory that reading every sample decompresses, per byte of this shard's blocks
+        in the file: 0 where every block is raw (read in place from the mapped file), about the
+        compression ratio where every block is compressed."""
         packed = (self._blocks[:, 0] & np.uint64(RAW_BLOCK)) == 0
-        return float(rlen[packed].sum()) / total if total else 0.0
+        stored = float(self._blocks[:, 1].astype(np.float64).sum())
+        return float(self._blocks[packed, 2].astype(np.float64).sum()) / stored if stored else 0.0
 
     def _block_of(self, index: int) -> int:
         return int(np.searchsorted(self._first, index, side="right")) - 1
