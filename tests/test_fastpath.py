@@ -308,3 +308,26 @@ def test_a_full_dev_shm_gives_the_batch_or_the_error_never_a_hang(tmp_path: Any,
         assert got["error"] is not None and len(ids) < n, got
         assert re.match(r"CacheError: (datacache\.errors\.CacheError: )?/dev/shm has no room for a batch tensor of "
                         r"\d+ bytes \(No space left on device.*--shm-size", got["error"]), got["error"]
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_batches_alive_when_the_interpreter_exits_free_their_slots_quietly(tmp_path: Any) -> None:
+    """A batch still referenced when the interpreter exits frees its ring slot then, while module
+    globals are already gone: no "Exception ignored" on stderr (as once: ``mmap item value must be
+    an int``)."""
+    import subprocess
+    import sys
+
+    url = f"file://{tmp_path}/ds"
+    write_dataset(({"x": np.full(256, i, np.uint8), "id": i} for i in range(200)), url, shard_bytes=20_000,
+                  progress=False)
+    script = (f"import datacache\n"
+              f"cfg = datacache.CacheConfig(ram_dir={str(tmp_path / 'ram')!r}, ssd_dir={str(tmp_path / 'ssd')!r})\n"
+              f"ds = datacache.StreamingDataset({url!r}, cache=cfg, seed=1)\n"
+              f"kept = [b for b in datacache.DataLoader(ds, batch_size=16, num_workers=1)]\n"
+              f"print(sum(len(b['id']) for b in kept))\n")
+    got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100,
+                         stdin=subprocess.DEVNULL)
+    assert got.returncode == 0 and got.stdout.split() == ["200"], got.stderr
+    assert "Exception ignored" not in got.stderr and "Traceback" not in got.stderr, got.stderr

@@ -290,6 +290,8 @@ class _SlotState:
     never reads a slot the worker is refilling. Copies on another stream must be synchronised by
     the caller before it drops the batch, as with any pinned buffer it reuses."""
 
+    _free = _FREE  # module globals are None while the interpreter exits, when the last batches may go
+
     def __init__(self, mm: mmap.mmap) -> None:
         self.mm = mm
         self._live: dict[int, int] = {}
@@ -314,7 +316,7 @@ class _SlotState:
                 if event is not None:
                     self._pending.append((event, slot))
                 elif not self.mm.closed:
-                    self.mm[slot] = _FREE
+                    self.mm[slot] = self._free
             if self._pending:
                 self._reap()
 
@@ -324,7 +326,7 @@ class _SlotState:
         for event, slot in self._pending:
             if event.query():
                 if not self.mm.closed:
-                    self.mm[slot] = _FREE
+                    self.mm[slot] = self._free
             else:
                 waiting.append((event, slot))
         self._pending = waiting
