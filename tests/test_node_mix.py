@@ -142,6 +142,9 @@ def test_chunks_group_rows_by_shard(counts: list[int], seed: int, chunk: int) ->
         assert np.array_equal(np.sort(mine - offsets[shard]), rows) and rows[0] == lo and rows[-1] == hi - 1
         positions = np.flatnonzero(c["run_of"] == r)
         assert len(set(np.searchsorted(bounds, positions, side="right").tolist())) == 1  # one chunk's
+        # each position's row_in_run points at its own row among the run's, each row once
+        assert np.array_equal(rows[c["row_in_run"][positions]], piece[positions] - offsets[shard])
+        assert sorted(c["row_in_run"][positions].tolist()) == list(range(len(rows)))
     per_chunk = Counter(int(s) for s in c["starts"])
     assert max(per_chunk.values()) == c["window"]
 

@@ -404,7 +404,8 @@ def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int,
     c = chunk_runs(piece, offsets, chunk, 2 if parts else MIX_GROWTH)
     samples, run_of = (None, None) if shards_only else (piece, c["run_of"])
     return ConsumerPlan(c["runs"], c["steps"], samples, run_of, len(piece), c["window"], padded, c["starts"],
-                        rows=c["rows"], parts=parts, unit_rows=min(rows, spec.unit_rows or rows))
+                        rows=c["rows"], parts=parts, unit_rows=min(rows, spec.unit_rows or rows),
+                        row_in_run=None if shards_only else c["row_in_run"])
 
 
 def remainder_order(counts: np.ndarray, spec: PlanSpec, consumed: list[int],
@@ -463,6 +464,7 @@ class ConsumerPlan:
     rows: Sequence[np.ndarray] | None = None  # a Ragged (datacache.plan.ragged) where built here
     parts: bool = False
     unit_rows: int = 0
+    row_in_run: np.ndarray | None = None  # a mixed plan's: each position's place among its run's rows
 
     def __len__(self) -> int:
         return self.length

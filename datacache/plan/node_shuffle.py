@@ -85,14 +85,15 @@ def chunk_runs(piece: np.ndarray, offsets: np.ndarray, chunk: int, growth: int =
     Returns ``runs`` ((shard, lo, hi) per run, ordered by chunk then shard), ``rows`` (the sorted
     shard-local rows each run reads, a ``Ragged``), ``run_of`` (each position's run), ``steps`` (positions each
     run's step yields: a chunk's positions all at its last run's step, once every run of the chunk
-    is open), ``starts`` (each run's chunk start) and ``window`` (the most runs of one chunk: a run
-    stays open until its chunk is done)."""
+    is open), ``starts`` (each run's chunk start), ``window`` (the most runs of one chunk: a run
+    stays open until its chunk is done) and ``row_in_run`` (each position's place among its run's
+    rows)."""
     n = len(piece)
     chunk = max(1, int(chunk))
     if n == 0:
         z = np.zeros(0, dtype=np.int64)
         return {"runs": [], "rows": Ragged(z, np.zeros(1, dtype=np.int64)), "run_of": z,
-                "steps": np.zeros(1, dtype=np.int64), "starts": z, "window": 1}
+                "steps": np.zeros(1, dtype=np.int64), "starts": z, "window": 1, "row_in_run": z}
     shard = np.searchsorted(offsets, piece, side="right") - 1
     local = piece - offsets[shard]
     shards = len(offsets) - 1
@@ -112,11 +113,13 @@ def chunk_runs(piece: np.ndarray, offsets: np.ndarray, chunk: int, growth: int =
     rows = Ragged(sorted_local, bounds)
     runs = list(zip((ukeys % shards).tolist(), sorted_local[bounds[:-1]].tolist(),
                     (sorted_local[bounds[1:] - 1] + 1).tolist()))
+    row_in_run = np.empty(n, dtype=np.int64)  # each position's place among its run's rows
+    row_in_run[order] = np.arange(n, dtype=np.int64) - bounds[:-1][run_of[order]]
     starts = chunks[ukeys // shards]
     steps = np.append(starts, n).astype(np.int64)
     per_chunk = np.bincount(ukeys // shards)
     return {"runs": runs, "rows": rows, "run_of": run_of, "steps": steps, "starts": starts.astype(np.int64),
-            "window": int(per_chunk.max())}
+            "window": int(per_chunk.max()), "row_in_run": row_in_run}
 
 
 FIRST_CHUNK = 32  # positions of a consumer's first chunk: its first batch waits for one chunk's runs
