@@ -114,7 +114,8 @@ class StreamingDataset(tud.IterableDataset):
       a few shards); "parts": the same as "auto"; "always": every epoch a node mix, the first too
       (on a cold cache the first batch then waits for about one batch's shards); "never": the
       sliding window only. ``shuffle_chunk``: bytes a node-mixed consumer reads per
-      chunk (default: the RAM tier's budget over 8 x the node's consumers, within 1 to 64 MB).
+      chunk (default: the RAM tier's budget over 8 x the node's consumers, within 1 to 64 MB, up
+      to 16 x larger where the shards' blocks are raw: ``_in_place_chunk``).
     - ``transform``: applied to each sample (in the consumer's process) before it is yielded.
     - ``batch_size``: when set, yields collated batches (``collate_fn``, default: what
       ``default_collate`` makes, with tensors, arrays and numbers written once into a
