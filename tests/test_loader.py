@@ -4,6 +4,7 @@ so the line users write first is the fast one; resumable like ``StatefulDataLoad
 torch ``DataLoader(ds, batch_size=B)`` still works; anything else is torch's ``DataLoader``."""
 from __future__ import annotations
 
+import gc
 import warnings
 from collections import Counter
 from typing import Any
@@ -307,3 +308,82 @@ def test_its_state_continues_in_torchdatas_loader_and_back(url: str, cache: Node
     got += [tuple(ids_of(b)) for b in loader]
     loader.dataset.close()
     assert got == ref
+
+
+# ---------------------------------------------------------------- the read-ahead (datacache.pytorch.loader._ReadAhead)
+@pytest.fixture
+def read_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read ahead from the second batch on, whatever the training step's length."""
+    from datacache.pytorch import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "_AHEAD_AFTER", 0.0)
+
+
+def _ahead_threads() -> list[Any]:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "datacache-loader-ahead"]
+
+
+@pytest.mark.usefixtures("read_ahead")
+def test_batches_read_ahead_are_the_same_batches_and_resume_exactly(url: str, cache: NodeCache) -> None:
+    """With the read-ahead: the same batches in the same order as without, every sample once, and
+    states saved mid-epoch resume exactly (the batch taken ahead is not counted as handed)."""
+    make = _factory(url, cache)
+    ref_ds = make()
+    ref_ds.set_epoch(1)
+    it = iter(datacache.DataLoader(ref_ds, batch_size=8, num_workers=2))
+    ref = [tuple(ids_of(b)) for b in it]
+    assert it._ahead is not None, "the read-ahead ran"
+    ref_ds.close()
+    assert sorted(i for b in ref for i in b) == list(range(N))
+    check_resume(make, [1, 5, (3, 9)], epoch=1, make_loader=lambda ds: datacache.DataLoader(ds, batch_size=8,
+                                                                                             num_workers=2))
+
+
+@pytest.mark.usefixtures("read_ahead")
+def test_a_loop_left_early_then_the_next_epoch_reads_every_sample_once(url: str, cache: NodeCache) -> None:
+    """Break out of an epoch while a batch is taken ahead, start the next (persistent workers: torch
+    resets its iterator, which the read-ahead must have left), drop an iterator mid-epoch: every
+    sample of each full epoch once, and no read-ahead thread outlives its iterator."""
+    from tests.helpers.faults import wait_for
+
+    ds = StreamingDataset(url, cache=cache, seed=2)
+    loader = datacache.DataLoader(ds, batch_size=16, num_workers=2, persistent_workers=True)
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        it = iter(loader)
+        for _, batch in zip(range(5), it):
+            ids_of(batch)
+        assert it._ahead is not None and it._ahead._pending, "a batch is being taken ahead"
+        ds.set_epoch(epoch + 10)  # a full epoch after the one left early
+        ids = [i for b in loader for i in ids_of(b)]
+        assert sorted(ids) == list(range(N)), f"epoch {epoch + 10}: not every sample once"
+    it = iter(loader)
+    next(it), next(it), next(it)
+    del it, loader  # mid-epoch, a batch taken ahead
+    gc.collect()
+    wait_for(lambda: not _ahead_threads(), 30, "the dropped loader's read-ahead thread to end")
+    ds.close()
+
+
+def _failing_collate(samples: list[dict[str, Any]]) -> list[int]:
+    ids = [int(s["i"]) for s in samples]
+    if 100 in ids:
+        raise ValueError("a bad sample: id 100")
+    return ids
+
+
+@pytest.mark.usefixtures("read_ahead")
+def test_a_workers_error_reaches_the_loop_through_the_read_ahead(url: str, cache: NodeCache) -> None:
+    ds = StreamingDataset(url, cache=cache, shuffle=False)
+    loader = datacache.DataLoader(ds, batch_size=10, num_workers=2, collate_fn=_failing_collate)
+    got: list[int] = []
+    with pytest.raises(ValueError, match="a bad sample: id 100") as err:
+        for batch in loader:
+            got += batch
+    assert "_failing_collate" in str(err.value) or "_failing_collate" in "".join(
+        __import__("traceback").format_exception(err.value)), "the worker's traceback is kept"
+    assert got == list(range(100)), "the batches before the error, in order"
+    del loader
+    ds.close()

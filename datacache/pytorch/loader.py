@@ -19,6 +19,9 @@ samples-mode ``StreamingDataset`` keeps working as before (the slow path).
 """
 from __future__ import annotations
 
+import queue
+import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -111,6 +114,7 @@ class DataLoader(StatefulDataLoader):
             return super().__iter__()
         if self.num_workers == 0:  # the dataset, in this process, knows its own position
             return iter(self._torch)
+        self._stop_live()  # its read-ahead out of torch's iterator, which iter() below resets
         self._stop_head()
         self.dataset.start_iteration()  # its epoch, decided here for the workers
         rounds = self.dataset.worker_rounds(self.num_workers)
@@ -136,6 +140,10 @@ class DataLoader(StatefulDataLoader):
             return super().__len__()
         return self.dataset.num_batches()  # len(dataset) stays its sample count
 
+    def _stop_live(self) -> None:
+        if self._live is not None:
+            self._live.close()
+
     def _stop_head(self) -> None:
         head, self._head = self._head, None
         if head is not None:
@@ -159,28 +167,102 @@ class DataLoader(StatefulDataLoader):
         if state_dict == {}:  # as torchdata: nothing to load
             return
         self.dataset.load_state_dict(state_dict)
+        self._stop_live()
         self._stop_head()
         self._reopen()  # persistent workers hold the old dataset copy: start new ones
 
 
+_AHEAD_AFTER = 1e-3  # a training step at least this long (between two batches) starts the read-ahead
+
+
 class _Counted:
     """The iterator ``DataLoader`` hands out over a ``StreamingDataset``'s workers: torch's, with
-    a count of the batches handed to the training loop. Used by one thread, as torch's."""
+    a count of the batches handed to the training loop. Once the loop has spent ``_AHEAD_AFTER``
+    between two batches (a training step, not a loop that only reads), the next batch is taken
+    from torch's iterator by a thread while the loop works on the current one (``_ReadAhead``), so
+    the hand-over (unpickling, mapping the ring, a bytes column's copies) overlaps the step instead
+    of following it. Used by one thread, as torch's; ``close`` stops the read-ahead (idempotent)."""
 
     def __init__(self, it: Any, rounds: Rounds) -> None:
         self._it, self.rounds, self.handed = it, rounds, 0
         self._next = batch_step(it)
+        self._ahead: _ReadAhead | None = None
+        self._returned = -1.0  # when the last batch was handed out (perf_counter)
 
     def __iter__(self) -> _Counted:
         return self
 
     def __next__(self) -> Any:
-        item = self._next()
+        ahead = self._ahead
+        if ahead is None and self._returned >= 0 and time.perf_counter() - self._returned >= _AHEAD_AFTER:
+            ahead = self._ahead = _ReadAhead(self._next)
+        item = self._next() if ahead is None else ahead.take()
         self.handed += 1
+        self._returned = time.perf_counter()
         return item
 
     def __len__(self) -> int:
         return len(self._it)
+
+    def close(self) -> None:
+        """Stop the read-ahead: back once its thread is out of torch's iterator (after the batch it
+        may be taking), so that the iterator may be reset or dropped. Idempotent."""
+        if self._ahead is not None:
+            self._ahead.stop()
+
+    def __del__(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop(wait=False)
+
+
+class _ReadAhead:
+    """One batch taken ahead from torch's iterator (``step``) on a thread of the training process:
+    each ``take`` returns the batch asked for at the previous one (or takes one now) and asks for
+    the next. Back-pressure: at most one batch is ahead of the training loop, so the loop's state
+    (``_Counted.handed``) stays exact and the rings hold at most one more batch. An exception of
+    ``step`` (a worker's, ``StopIteration`` at the epoch's end) is raised by the ``take`` that
+    waits for it, with its traceback, and ends the thread. The thread holds nothing of the
+    ``_Counted``, so a dropped iterator stops it (``__del__``)."""
+
+    def __init__(self, step: Callable[[], Any]) -> None:
+        self._asked = threading.Semaphore(0)
+        self._out: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._pending = False  # a batch asked for and not yet taken
+        self._thread = threading.Thread(target=_read_ahead, args=(step, self._asked, self._out, self._stopped),
+                                        name="datacache-loader-ahead", daemon=True)
+        self._thread.start()
+
+    def take(self) -> Any:
+        if not self._pending:
+            self._asked.release()
+        ok, value = self._out.get()
+        self._pending = False
+        if not ok:
+            raise value
+        self._asked.release()  # the next batch, while the training loop works on this one
+        self._pending = True
+        return value
+
+    def stop(self, wait: bool = True) -> None:
+        """End the thread (``wait``: and wait until it has left torch's iterator). Idempotent."""
+        self._stopped.set()
+        self._asked.release()
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def _read_ahead(step: Callable[[], Any], asked: threading.Semaphore, out: queue.SimpleQueue,
+                stopped: threading.Event) -> None:
+    while True:
+        asked.acquire()
+        if stopped.is_set():
+            return
+        try:
+            out.put((True, step()))
+        except BaseException as exc:  # StopIteration too: the taker raises it, with its traceback
+            out.put((False, exc))
+            return
 
 
 def _configure(ds: StreamingDataset, batch_size: int | None, collate_fn: Callable[[list[Any]], Any] | None,
