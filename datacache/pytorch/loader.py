@@ -19,8 +19,10 @@ samples-mode ``StreamingDataset`` keeps working as before (the slow path).
 """
 from __future__ import annotations
 
+import signal
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.utils.data as tud
@@ -93,6 +95,7 @@ class DataLoader(StatefulDataLoader):
             batch_size, collate_fn, drop_last = None, None, False
             kwargs.pop("snapshot_every_n_steps", None)
             self._plain = dict(batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **kwargs)
+            self._plain["worker_init_fn"] = _CtrlCInLoop(kwargs.get("worker_init_fn"))
         with warnings.catch_warnings():  # see _NO_VITAL
             warnings.filterwarnings("ignore", message=_NO_VITAL, category=UserWarning)
             super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
@@ -119,7 +122,8 @@ class DataLoader(StatefulDataLoader):
         # start after the fork (see datacache.read.headstart).
         head = self.dataset.head_start(self.num_workers, start=False)
         try:
-            it = iter(self._torch)  # the workers start (and copy the dataset with any loaded state)
+            with _ctrl_c_held(self._plain["worker_init_fn"]):
+                it = iter(self._torch)  # the workers start (and copy the dataset with any loaded state)
         except BaseException:
             if head is not None:  # planned, never started: nothing in flight, nothing left open
                 head.close()
@@ -181,6 +185,41 @@ class _Counted:
 
     def __len__(self) -> int:
         return len(self._it)
+
+
+class _CtrlCInLoop:
+    """The torch loader's ``worker_init_fn`` over a ``StreamingDataset``: SIGINT unblocked in the
+    worker (``_ctrl_c_held`` forks it blocked), then the user's ``worker_init_fn``.
+
+    A Ctrl-C reaches the workers too (the terminal signals the whole process group). torch's worker
+    loop catches it and the worker exits with code 0, but a worker still starting (multiprocessing's
+    bootstrap, before that loop) died of it with code 1, and torch's SIGCHLD handler in the training
+    process then raised "DataLoader worker exited unexpectedly" (a ``RuntimeError``) in place of the
+    training process's own ``KeyboardInterrupt`` as that unwound. Forked with SIGINT blocked, a
+    worker takes a Ctrl-C only here, inside the loop. Picklable (for spawned workers)."""
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+        self.unblock = True  # False where the forking thread itself had SIGINT blocked: left so
+
+    def __call__(self, worker_id: int) -> None:
+        if self.unblock:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending Ctrl-C raises here
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+@contextmanager
+def _ctrl_c_held(init: _CtrlCInLoop) -> Iterator[None]:
+    """SIGINT blocked in this thread while torch starts the workers, which inherit the mask
+    (``_CtrlCInLoop``). A Ctrl-C meanwhile is not lost: another thread of this process takes it
+    for the main thread, or it stays pending until the mask is restored on the way out."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    init.unblock = signal.SIGINT not in old
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _configure(ds: StreamingDataset, batch_size: int | None, collate_fn: Callable[[list[Any]], Any] | None,
