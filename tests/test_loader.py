@@ -135,6 +135,32 @@ def test_collate_fn_runs_in_the_dataset(url: str, cache: NodeCache, workers: int
     ds.close()
 
 
+def _mark_started(folder: str, worker_id: int) -> None:
+    import signal
+
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with open(f"{folder}/worker-{worker_id}", "w") as f:
+        f.write(f"sigint blocked: {blocked}")
+
+
+@pytest.mark.subprocess
+def test_a_worker_init_fn_runs_in_each_worker_with_ctrl_c_unblocked(url: str, cache: NodeCache,
+                                                                    tmp_path: Any) -> None:
+    """The loader forks its workers with SIGINT blocked and unblocks it before the user's
+    ``worker_init_fn`` (tests/test_stop.py has the Ctrl-C itself); the training process's mask
+    is as it was."""
+    import functools
+    import signal
+
+    ds = StreamingDataset(url, cache=cache)
+    loader = datacache.DataLoader(ds, batch_size=50, num_workers=2,
+                                  worker_init_fn=functools.partial(_mark_started, str(tmp_path)))
+    assert sum(len(b["i"]) for b in loader) == N and loader.worker_init_fn.func is _mark_started
+    assert sorted(p.read_text() for p in tmp_path.glob("worker-*")) == ["sigint blocked: False"] * 2
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    ds.close()
+
+
 @pytest.mark.parametrize("bad, match", [({"shuffle": True}, "shuffle= is not supported"),
                                         ({"sampler": [0, 1]}, "sampler= is not supported"),
                                         ({"batch_size": 0}, "batch_size must be a positive int"),
