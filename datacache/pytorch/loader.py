@@ -68,6 +68,10 @@ class DataLoader(StatefulDataLoader):
       the last batch handed to the training loop; ``load_state_dict`` takes it (or any state
       ``StreamingDataset.load_state_dict`` takes) into the dataset, and the next iteration starts
       fresh workers from it (persistent ones too).
+    - ``worker_init_fn``: runs in each worker as torch's does, after the loader has unblocked
+      SIGINT there: the workers are forked with it blocked, so that a Ctrl-C that finds one still
+      starting ends it quietly in torch's worker loop and the training process gets its
+      ``KeyboardInterrupt`` (``_CtrlCInLoop``).
     - each iteration with workers gives them a head start: once they have forked, this process
       fetches their first shards into the node cache while they start (``datacache.read.headstart``),
       so a cold epoch's link does not idle through the workers' start-up.
