@@ -82,11 +82,18 @@ def test_batches_have_what_torchs_loader_gives(url: str, cache: NodeCache) -> No
             assert type(a[k]) is type(b[k]) and a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-def test_under_a_profiler_each_batch_is_a_dataloader_range(url: str, cache: NodeCache) -> None:
+@pytest.mark.parametrize("ahead", [False, True])
+def test_under_a_profiler_each_batch_is_a_dataloader_range(url: str, cache: NodeCache, ahead: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a profiler the loader skips torch's per-batch profiler range (it costs the training
     loop 0.1-0.25 ms a batch); under one every batch still shows as torch's DataLoader range, and
-    the batches are the same either way."""
+    the batches are the same either way (``ahead``: read ahead whenever there is no profiler)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from datacache.pytorch import loader as loader_module
+
+    if ahead:
+        monkeypatch.setattr(loader_module, "_AHEAD_AFTER", 0.0)
 
     ds = StreamingDataset(url, cache=cache, seed=5)
     ds.set_epoch(0)  # both iterations: without set_epoch, the second would read epoch 1
@@ -133,6 +140,32 @@ def test_collate_fn_runs_in_the_dataset(url: str, cache: NodeCache, workers: int
     ds = StreamingDataset(url, cache=cache)
     datacache.DataLoader(ds, batch_size=20, collate_fn=default_collate)  # torch's: the ring path gives the same
     assert ds.collate_fn is collate
+    ds.close()
+
+
+def _mark_started(folder: str, worker_id: int) -> None:
+    import signal
+
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with open(f"{folder}/worker-{worker_id}", "w") as f:
+        f.write(f"sigint blocked: {blocked}")
+
+
+@pytest.mark.subprocess
+def test_a_worker_init_fn_runs_in_each_worker_with_ctrl_c_unblocked(url: str, cache: NodeCache,
+                                                                    tmp_path: Any) -> None:
+    """The loader forks its workers with SIGINT blocked and unblocks it before the user's
+    ``worker_init_fn`` (tests/test_stop.py has the Ctrl-C itself); the training process's mask
+    is as it was."""
+    import functools
+    import signal
+
+    ds = StreamingDataset(url, cache=cache)
+    loader = datacache.DataLoader(ds, batch_size=50, num_workers=2,
+                                  worker_init_fn=functools.partial(_mark_started, str(tmp_path)))
+    assert sum(len(b["i"]) for b in loader) == N and loader.worker_init_fn.func is _mark_started
+    assert sorted(p.read_text() for p in tmp_path.glob("worker-*")) == ["sigint blocked: False"] * 2
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     ds.close()
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import signal
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,22 +46,24 @@ def _job(url: str, opts: dict[str, Any], cache: dict[str, Any], out: int) -> Non
     batch's ids (and how many samples had wrong bytes) as JSON lines on ``out``, then the end;
     never returns."""
     os.setpgid(0, 0)  # the workers join this group: a kill of the group is a preempted node's
-    code = 0
+    code = 1
     try:
-        ds = StreamingDataset(url, storage_options=opts, cache=CacheConfig(**cache))
-        os.write(out, (json.dumps({"reconciled": ds.cache.reconciled, **_copies(ds.cache)}) + "\n").encode())
-        for batch in datacache.DataLoader(ds, batch_size=8, num_workers=2):
-            ids = [int(i) for i in batch["i"]]
-            bad = sum(bytes(d) != H.payload(i, SIZE) for i, d in zip(ids, batch["data"]))
-            os.write(out, (json.dumps({"ids": ids, "bad": bad}) + "\n").encode())
-        os.write(out, b'{"end": true}\n')
-    except KeyboardInterrupt:  # Ctrl-C: the loader's workers were shut down as the loop unwound
-        os.write(out, b'{"interrupted": true}\n')
-        code = 130
-    except BaseException as exc:  # reported to the test
-        os.write(out, (json.dumps({"error": repr(exc)}) + "\n").encode())
-        code = 1
-    os._exit(code)
+        try:
+            ds = StreamingDataset(url, storage_options=opts, cache=CacheConfig(**cache))
+            os.write(out, (json.dumps({"reconciled": ds.cache.reconciled, **_copies(ds.cache)}) + "\n").encode())
+            for batch in datacache.DataLoader(ds, batch_size=8, num_workers=2):
+                ids = [int(i) for i in batch["i"]]
+                bad = sum(bytes(d) != H.payload(i, SIZE) for i, d in zip(ids, batch["data"]))
+                os.write(out, (json.dumps({"ids": ids, "bad": bad}) + "\n").encode())
+            os.write(out, b'{"end": true}\n')
+            code = 0
+        except KeyboardInterrupt:  # Ctrl-C: the loader's workers were shut down as the loop unwound
+            os.write(out, b'{"interrupted": true}\n')
+            code = 130
+        except BaseException:  # reported to the test, with where it came from
+            os.write(out, (json.dumps({"error": traceback.format_exc()}) + "\n").encode())
+    finally:  # whatever a handler above raised: never back into pytest in a forked child
+        os._exit(code)
 
 
 def _scratch_files(cache: dict[str, Any]) -> list[str]:

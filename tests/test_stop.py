@@ -191,3 +191,60 @@ def test_workers_of_a_killed_training_process_stop_downloading(s3_server: Any, s
     # Bytes already on their way when the kill came: at most a few 64 KB proxy chunks, not the
     # downloads that orphaned workers kept running (128 KB per second they live).
     assert after <= 4 * 64 * KB, after
+
+
+# A training loop over datacache.DataLoader whose workers, once forked, report and then wait in
+# multiprocessing's bootstrap (an after-fork hook, before torch's worker loop) until released.
+_STARTING = """
+import json, multiprocessing.util, os, sys
+import numpy as np
+import datacache
+from datacache import CacheConfig, StreamingDataset
+spec, release = json.loads(sys.argv[1]), int(sys.argv[2])
+
+class Hold:
+    def __call__(self, _):
+        os.write(1, b"starting\\n")
+        os.read(release, 1)  # a Ctrl-C that kills the worker here is what the test looks for
+
+hold = Hold()
+multiprocessing.util.register_after_fork(hold, hold)
+ds = StreamingDataset(spec["url"], cache=CacheConfig(**spec["cache"]))
+try:
+    for batch in datacache.DataLoader(ds, batch_size=4, num_workers=2):
+        pass
+except KeyboardInterrupt:
+    os.write(1, b"interrupted\\n")
+    os._exit(130)
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_dataloader_workers_start_is_a_keyboard_interrupt(tmp_path: Path) -> None:
+    """A Ctrl-C that finds DataLoader workers still starting: the workers take it in torch's
+    worker loop and exit quietly, so the training process gets its ``KeyboardInterrupt`` and not
+    torch's "worker exited unexpectedly" (which replaced it when the training process was slow)."""
+    url = f"file://{tmp_path}/ds"
+    H.write(url, None, 64, 64, shard_bytes=1024)
+    spec = {"url": url, "cache": H.cache_kw(tmp_path, ram="8MB")}
+    release_r, release_w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-c", _STARTING, json.dumps(spec), str(release_r)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=[release_r],
+                            start_new_session=True)  # a process group of its own: the terminal's Ctrl-C
+    os.close(release_r)
+    try:
+        assert proc.stdout is not None
+        for _ in range(2):
+            assert proc.stdout.readline() == "starting\n", proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)  # pending in every process of the group when this returns
+        os.write(release_w, b"xx")
+        out, err = proc.communicate(timeout=60)  # hang guard
+    finally:
+        os.close(release_w)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 130 and out == "interrupted\n", (proc.returncode, out, err)
+    assert "Traceback" not in err, err  # no worker died of the Ctrl-C

@@ -20,12 +20,15 @@ samples-mode ``StreamingDataset`` keeps working as before (the slow path).
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.utils.data as tud
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -69,6 +72,10 @@ class DataLoader(StatefulDataLoader):
       the last batch handed to the training loop; ``load_state_dict`` takes it (or any state
       ``StreamingDataset.load_state_dict`` takes) into the dataset, and the next iteration starts
       fresh workers from it (persistent ones too).
+    - ``worker_init_fn``: runs in each worker as torch's does, after the loader has unblocked
+      SIGINT there: the workers are forked with it blocked, so that a Ctrl-C that finds one still
+      starting ends it quietly in torch's worker loop and the training process gets its
+      ``KeyboardInterrupt`` (``_CtrlCInLoop``).
     - each iteration with workers gives them a head start: once they have forked, this process
       fetches their first shards into the node cache while they start (``datacache.read.headstart``),
       so a cold epoch's link does not idle through the workers' start-up.
@@ -96,6 +103,7 @@ class DataLoader(StatefulDataLoader):
             batch_size, collate_fn, drop_last = None, None, False
             kwargs.pop("snapshot_every_n_steps", None)
             self._plain = dict(batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **kwargs)
+            self._plain["worker_init_fn"] = _CtrlCInLoop(kwargs.get("worker_init_fn"))
         with warnings.catch_warnings():  # see _NO_VITAL
             warnings.filterwarnings("ignore", message=_NO_VITAL, category=UserWarning)
             super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
@@ -123,7 +131,8 @@ class DataLoader(StatefulDataLoader):
         # start after the fork (see datacache.read.headstart).
         head = self.dataset.head_start(self.num_workers, start=False)
         try:
-            it = iter(self._torch)  # the workers start (and copy the dataset with any loaded state)
+            with _ctrl_c_held(self._plain["worker_init_fn"]):
+                it = iter(self._torch)  # the workers start (and copy the dataset with any loaded state)
         except BaseException:
             if head is not None:  # planned, never started: nothing in flight, nothing left open
                 head.close()
@@ -194,9 +203,18 @@ class _Counted:
 
     def __next__(self) -> Any:
         ahead = self._ahead
-        if ahead is None and self._returned >= 0 and time.perf_counter() - self._returned >= _AHEAD_AFTER:
+        profiled = torch.autograd._profiler_enabled()  # torch's range of each batch, in this thread
+        if ahead is None and not profiled and self._returned >= 0 and \
+                time.perf_counter() - self._returned >= _AHEAD_AFTER:
             ahead = self._ahead = _ReadAhead(self._next)
-        item = self._next() if ahead is None else ahead.take()
+        if ahead is None:
+            item = self._next()
+        elif profiled:  # a profiler began: the batch asked for, then this thread again
+            item = ahead.take(more=False)
+            ahead.stop()
+            self._ahead = None
+        else:
+            item = ahead.take()
         self.handed += 1
         self._returned = time.perf_counter()
         return item
@@ -233,15 +251,17 @@ class _ReadAhead:
                                         name="datacache-loader-ahead", daemon=True)
         self._thread.start()
 
-    def take(self) -> Any:
+    def take(self, more: bool = True) -> Any:
+        """The next batch; ``more``: and ask for the one after it."""
         if not self._pending:
             self._asked.release()
         ok, value = self._out.get()
         self._pending = False
         if not ok:
             raise value
-        self._asked.release()  # the next batch, while the training loop works on this one
-        self._pending = True
+        if more:
+            self._asked.release()  # the next batch, while the training loop works on this one
+            self._pending = True
         return value
 
     def stop(self, wait: bool = True) -> None:
@@ -263,6 +283,41 @@ def _read_ahead(step: Callable[[], Any], asked: threading.Semaphore, out: queue.
         except BaseException as exc:  # StopIteration too: the taker raises it, with its traceback
             out.put((False, exc))
             return
+
+
+class _CtrlCInLoop:
+    """The torch loader's ``worker_init_fn`` over a ``StreamingDataset``: SIGINT unblocked in the
+    worker (``_ctrl_c_held`` forks it blocked), then the user's ``worker_init_fn``.
+
+    A Ctrl-C reaches the workers too (the terminal signals the whole process group). torch's worker
+    loop catches it and the worker exits with code 0, but a worker still starting (multiprocessing's
+    bootstrap, before that loop) died of it with code 1, and torch's SIGCHLD handler in the training
+    process then raised "DataLoader worker exited unexpectedly" (a ``RuntimeError``) in place of the
+    training process's own ``KeyboardInterrupt`` as that unwound. Forked with SIGINT blocked, a
+    worker takes a Ctrl-C only here, inside the loop. Picklable (for spawned workers)."""
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+        self.unblock = True  # False where the forking thread itself had SIGINT blocked: left so
+
+    def __call__(self, worker_id: int) -> None:
+        if self.unblock:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending Ctrl-C raises here
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+@contextmanager
+def _ctrl_c_held(init: _CtrlCInLoop) -> Iterator[None]:
+    """SIGINT blocked in this thread while torch starts the workers, which inherit the mask
+    (``_CtrlCInLoop``). A Ctrl-C meanwhile is not lost: another thread of this process takes it
+    for the main thread, or it stays pending until the mask is restored on the way out."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    init.unblock = signal.SIGINT not in old
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _configure(ds: StreamingDataset, batch_size: int | None, collate_fn: Callable[[list[Any]], Any] | None,
