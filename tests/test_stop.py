@@ -126,6 +126,54 @@ def test_ctrl_c_mid_epoch_stops_prefetching_and_leaves_no_temp_files(s3_server: 
     assert _leftovers(tmp_path) == []
 
 
+# A training loop through datacache.DataLoader with a 10 ms step: from the second batch on, the next
+# batch is taken by the read-ahead thread while the step runs (datacache.pytorch.loader._ReadAhead).
+_AHEAD = """
+import json, sys, time
+import datacache
+from datacache import CacheConfig, StreamingDataset
+spec = json.loads(sys.argv[1])
+ds = StreamingDataset(spec["url"], storage_options=spec["opts"], cache=CacheConfig(**spec["cache"]))
+try:
+    for batch in datacache.DataLoader(ds, batch_size=4, num_workers=2):
+        print(len(batch["i"]), flush=True)
+        time.sleep(0.01)  # the training step
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_while_the_next_batch_is_read_ahead_stops_the_loop(s3_server: Any, slowlink: Any,
+                                                                  tmp_path: Path) -> None:
+    """A Ctrl-C (to the whole process group, as a terminal sends it) while the training loop waits for
+    the batch its read-ahead thread is taking, behind a link slowed to a crawl: the loop gets its
+    KeyboardInterrupt and the process ends (130) without a traceback or a temp file."""
+    url = _write(s3_server, shards=24)
+    link = slowlink(bandwidth=64_000)
+    spec = {"url": url, "opts": s3_server.storage_options(link.endpoint_url),
+            "cache": H.cache_kw(tmp_path, ram="8MB")}
+    proc = subprocess.Popen([sys.executable, "-c", _AHEAD, json.dumps(spec)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    for _ in range(3):  # past the first step: the read-ahead runs
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), (line, proc.communicate())
+    link.bandwidth = 2_000  # a shard now takes ~30 s: the batch read ahead waits on a fetch in flight
+    ram_data = tmp_path / "ram" / "data"
+    H.wait_for(lambda: any(n.startswith(".tmp-") for n in H.files(ram_data)) or proc.poll() is not None, 60,
+               "a fetch in flight (its temp file)")
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)  # hang guard
+    print(f"\ntraining loop stopped {time.monotonic() - t0:.2f} s after SIGINT")
+    assert proc.returncode == 130 and out.splitlines()[-1] == "interrupted", (out, err)
+    assert "Traceback" not in err, err
+    # no temp file; partial copies (a scratch file and its state, as one unit) stay for the next job
+    assert [n for n in _leftovers(tmp_path) if not n.endswith(".part")] == []
+
+
 # A training process with two DataLoader workers; prints the worker pids, then one line per batch.
 _LOADER = """
 import json, sys, time
