@@ -79,6 +79,10 @@ class DataLoader(StatefulDataLoader):
     - each iteration with workers gives them a head start: once they have forked, this process
       fetches their first shards into the node cache while they start (``datacache.read.headstart``),
       so a cold epoch's link does not idle through the workers' start-up.
+    - once the training loop spends a millisecond or more between two batches (a training step), a
+      thread of this process (``datacache-loader-ahead``) takes the next batch from the workers while
+      the loop works on the current one, one batch ahead at most (``_ReadAhead``); not under a
+      profiler, where torch's per-batch range stays in the training thread.
 
     The dataset is configured in place (``loader.dataset is ds``), before any iteration, so its
     ``state_dict``, ``len()`` and ``set_epoch`` agree with the loader's. Not thread-safe, like
