@@ -420,3 +420,16 @@ def test_a_workers_error_reaches_the_loop_through_the_read_ahead(url: str, cache
     assert got == list(range(100)), "the batches before the error, in order"
     del loader
     ds.close()
+
+
+@pytest.mark.usefixtures("read_ahead")
+def test_an_ended_iterator_read_ahead_stays_ended(url: str, cache: NodeCache) -> None:
+    ds = StreamingDataset(url, cache=cache, seed=4)
+    it = iter(datacache.DataLoader(ds, batch_size=64, num_workers=2))
+    assert sorted(i for b in it for i in ids_of(b)) == list(range(N))
+    assert it._ahead is not None
+    for _ in range(2):  # no thread is left to ask: StopIteration again, never a wait
+        with pytest.raises(StopIteration):
+            next(it)
+    del it
+    ds.close()

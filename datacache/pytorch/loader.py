@@ -251,17 +251,21 @@ class _ReadAhead:
         self._out: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._pending = False  # a batch asked for and not yet taken
+        self._ended = False  # the thread has ended (the epoch, or an error, was raised)
         self._thread = threading.Thread(target=_read_ahead, args=(step, self._asked, self._out, self._stopped),
                                         name="datacache-loader-ahead", daemon=True)
         self._thread.start()
 
     def take(self, more: bool = True) -> Any:
         """The next batch; ``more``: and ask for the one after it."""
+        if self._ended:  # as torch's iterator once it has ended: no thread is left to ask
+            raise StopIteration
         if not self._pending:
             self._asked.release()
         ok, value = self._out.get()
         self._pending = False
         if not ok:
+            self._ended = True
             raise value
         if more:
             self._asked.release()  # the next batch, while the training loop works on this one
