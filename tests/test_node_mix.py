@@ -364,3 +364,70 @@ def test_a_chunk_of_rows_read_in_place_is_larger(tmp_path: Any) -> None:
         cache.close()
     assert inflation["raw"] == 0.0 and inflation["compressed"] > 1.5, inflation
     assert chunks["raw"] < chunks["compressed"], (chunks, inflation)
+
+
+def test_the_next_plan_is_taken_where_it_plans_the_same() -> None:
+    """A plan built ahead (datacache.pytorch.next_plan) is taken for the spec it was built for, and
+    for one that differs only in a budget its share fits either way; any other difference, or a
+    budget that decides otherwise, plans again. The plan taken is the one ``build_plan`` gives."""
+    from datacache.pytorch.next_plan import NextPlan, expected_spec, same_plan
+
+    counts = np.full(12, 50)
+    cold = PlanSpec(seed=2, epoch=0, num_workers=2, worker_id=1, batch_size=8, mix_bytes=600, mix_from=1,
+                    chunk_bytes=64, part_bytes=40, part_narrow=2, part_strata=3)
+    warm = expected_spec(cold)
+    assert (warm.epoch, warm.part_bytes, warm.part_narrow, warm.part_strata, warm.mix_from) == (1, 0, 0, 0, 1)
+    assert build_plan(counts, warm).rows is not None, "the warm epoch is a node mix"
+    ahead = NextPlan(counts, warm)
+    assert same_plan(counts, replace(warm, mix_bytes=10_000), warm)
+    assert not same_plan(counts, replace(warm, mix_bytes=599), warm), "599 < 600 samples: no mix"
+    assert not same_plan(counts, replace(warm, chunk_bytes=65), warm)
+    assert ahead.take(replace(warm, epoch=2)) is None
+    got, want = ahead.take(replace(warm, mix_bytes=900)), build_plan(counts, warm)
+    assert got is not None and got.samples.tolist() == want.samples.tolist()
+    assert got.runs == want.runs and got.steps.tolist() == want.steps.tolist()
+
+
+def _spy_plans(log: str) -> Any:
+    """``build_plan`` that first appends (pid, epoch) of each whole plan to the file ``log``."""
+    import os
+
+    def spy(counts: Any, spec: PlanSpec, order: Any = None, **kw: Any) -> Any:
+        if not kw:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()} {spec.epoch}\n")
+        return build_plan(counts, spec, order=order, **kw)
+    return spy
+
+
+@pytest.mark.timeout(180)
+def test_a_persistent_worker_plans_its_next_epoch_while_it_waits(sorted_url: str, tmp_path: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Persistent DataLoader workers build each warm epoch's plan after their last batch of the
+    epoch before (datacache.pytorch.next_plan): from epoch 2 on no worker plans when its epoch
+    starts, and every epoch's batches are those of workers that plan each epoch afresh (fresh
+    workers, a cache of their own)."""
+    from datacache import DataLoader
+    from datacache.pytorch import dataset as dataset_module
+
+    runs = {}
+    for persistent in (True, False):
+        log = tmp_path / f"plans-{persistent}"
+        monkeypatch.setattr(dataset_module, "build_plan", _spy_plans(str(log)))  # the workers fork with it
+        cache = NodeCache(CacheConfig(ram_bytes="4MB", ssd_bytes="8MB", ram_dir=f"{tmp_path}/{persistent}-ram",
+                                      ssd_dir=f"{tmp_path}/{persistent}-ssd"))
+        ds = StreamingDataset(sorted_url, cache=cache, seed=5)
+        loader = DataLoader(ds, batch_size=32, num_workers=2, persistent_workers=persistent)
+        epochs = []
+        for epoch in range(4):
+            ds.set_epoch(epoch)
+            epochs.append([b["i"].tolist() for b in loader])
+            assert sorted(i for b in epochs[-1] for i in b) == list(range(N)), f"epoch {epoch}: not every sample once"
+        del loader
+        ds.close()
+        cache.close()
+        planned = Counter(int(line.split()[1]) for line in log.read_text().splitlines())
+        runs[persistent] = (epochs, planned)
+    assert runs[True][0] == runs[False][0], "a plan built ahead changed the batches"
+    assert runs[False][1] == {0: 2, 1: 2, 2: 2, 3: 2}, runs[False][1]  # the spy sees every worker's plan
+    assert runs[True][1][0] == 2 and runs[True][1][2] == runs[True][1][3] == 0, runs[True][1]

@@ -70,6 +70,7 @@ from ..read.shard_source import ShardSource, tell_plan
 from ..store.storage import Store
 from .batches import RingCollator, batched, collate, sharing
 from .gather import Gatherer, gathered
+from .next_plan import NextPlan, expected_spec
 from .rounds import Rounds, WorkerBatches
 from .shared import STORE_FIELDS, AutoEpochs, OwnStats, main_token, shared_int, worker_token
 from .torch_compat import loader_batch
@@ -223,6 +224,7 @@ class StreamingDataset(tud.IterableDataset):
         self._iterations = 0  # iter() calls in this process: the latest one is the live iteration
         self._consumer: Consumer | None = None
         self._inflation: float | None = None  # ``_in_place_chunk``'s probe of the cached shards, once known
+        self._next_plan: NextPlan | None = None  # a worker's guess at its next epoch's plan (next_plan)
         self._collator: RingCollator | None = None
         self._worker = (0, 1)
         self._turn = 1  # samples mode in a DataLoader worker: the samples torch batches from one worker at a time
@@ -393,7 +395,10 @@ class StreamingDataset(tud.IterableDataset):
         self._worker = (worker_id, num_workers)
         spec = resume_spec(self._spec(num_workers, worker_id), self._resume)
         order, skip = resume_plan(self.counts, spec, self._resume, orders=self._mix)
-        plan = build_plan(self.counts, spec, order=order)
+        ahead, self._next_plan = self._next_plan, None
+        plan = ahead.take(spec) if ahead is not None and order is None else None
+        if plan is None:
+            plan = build_plan(self.counts, spec, order=order)
         schedule = None
         if self.cache.config.policy != "lru":
             ranks = self._node_dp_ranks() if order is None else [self.dp_rank]
@@ -421,6 +426,17 @@ class StreamingDataset(tud.IterableDataset):
         self._resume_base = self._resume
         self._resume = None
         yield from self._emit(consumer, iteration)
+        if info is not None and self._mix is None and iteration == self._iterations:
+            self._next_plan = self._plan_next(spec)
+
+    def _plan_next(self, spec: PlanSpec) -> NextPlan:
+        """The plan of the epoch expected after ``spec``'s, started on a thread (``next_plan``): a
+        persistent DataLoader worker's next iteration takes it if its spec is the one expected."""
+        nxt = expected_spec(spec)
+        if spec.part_bytes:  # the warm node mix after a cold part mix: its chunk as _spec sets it
+            fields = {"mix_bytes": nxt.mix_bytes, "chunk_bytes": nxt.chunk_bytes}
+            nxt = replace(nxt, **self._in_place_chunk(nxt, fields))
+        return NextPlan(self.counts, nxt)
 
     def _check_current(self, iteration: int) -> None:
         """Raise if ``iteration`` was ended by a newer ``iter()`` in this process."""
@@ -578,7 +594,7 @@ class StreamingDataset(tud.IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_consumer"] = state["_collator"] = state["_flushed"] = None
+        state["_consumer"] = state["_collator"] = state["_flushed"] = state["_next_plan"] = None
         return state
 
     def __del__(self) -> None:
