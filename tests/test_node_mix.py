@@ -431,3 +431,18 @@ def test_a_persistent_worker_plans_its_next_epoch_while_it_waits(sorted_url: str
     assert runs[True][0] == runs[False][0], "a plan built ahead changed the batches"
     assert runs[False][1] == {0: 2, 1: 2, 2: 2, 3: 2}, runs[False][1]  # the spy sees every worker's plan
     assert runs[True][1][0] == 2 and runs[True][1][2] == runs[True][1][3] == 0, runs[True][1]
+
+
+@pytest.mark.parametrize("bs", [8, 100, 256])
+def test_a_node_mixes_first_chunk_holds_the_first_batch(bs: int) -> None:
+    """The first batch of a node-mixed consumer waits for its first chunk's runs only: that chunk
+    holds at least a batch (at least ``FIRST_CHUNK`` positions), the next ones grow from it."""
+    from datacache.plan.node_shuffle import FIRST_CHUNK, MIX_GROWTH
+
+    counts = np.full(10, 3000)
+    spec = PlanSpec(seed=1, epoch=1, num_workers=2, batch_size=bs, mix_bytes=10**9, chunk_bytes=10**6)
+    plan = build_plan(counts, spec)
+    assert plan.rows is not None, "a node mix"
+    starts = sorted(set(plan.run_starts.tolist()))
+    first = max(FIRST_CHUNK, bs)
+    assert starts[:3] == [0, first, first * (1 + MIX_GROWTH)], starts[:3]

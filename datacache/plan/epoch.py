@@ -401,7 +401,8 @@ def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int,
     else:
         source = mix_positions(np.arange(lo, hi), len(block), seed=spec.seed, epoch=spec.epoch, node=spec.node)
         piece = block.at(source, offsets)
-    c = chunk_runs(piece, offsets, chunk, 2 if parts else MIX_GROWTH)
+    c = chunk_runs(piece, offsets, chunk, 2, 0) if parts else \
+        chunk_runs(piece, offsets, chunk, MIX_GROWTH, spec.batch_size)  # the first batch: one chunk
     samples, run_of = (None, None) if shards_only else (piece, c["run_of"])
     return ConsumerPlan(c["runs"], c["steps"], samples, run_of, len(piece), c["window"], padded, c["starts"],
                         rows=c["rows"], parts=parts, unit_rows=min(rows, spec.unit_rows or rows),
