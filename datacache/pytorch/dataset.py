@@ -225,6 +225,7 @@ class StreamingDataset(tud.IterableDataset):
         self._consumer: Consumer | None = None
         self._inflation: float | None = None  # ``_in_place_chunk``'s probe of the cached shards, once known
         self._next_plan: NextPlan | None = None  # a worker's guess at its next epoch's plan (next_plan)
+        self._plan_ahead = True  # whether workers build it: datacache.DataLoader sets persistent_workers here
         self._collator: RingCollator | None = None
         self._worker = (0, 1)
         self._turn = 1  # samples mode in a DataLoader worker: the samples torch batches from one worker at a time
@@ -426,7 +427,7 @@ class StreamingDataset(tud.IterableDataset):
         self._resume_base = self._resume
         self._resume = None
         yield from self._emit(consumer, iteration)
-        if info is not None and self._mix is None and iteration == self._iterations:
+        if info is not None and self._plan_ahead and self._mix is None and iteration == self._iterations:
             self._next_plan = self._plan_next(spec)
 
     def _plan_next(self, spec: PlanSpec) -> NextPlan:

@@ -83,6 +83,8 @@ class DataLoader(StatefulDataLoader):
       thread of this process (``datacache-loader-ahead``) takes the next batch from the workers while
       the loop works on the current one, one batch ahead at most (``_ReadAhead``); not under a
       profiler, where torch's per-batch range stays in the training thread.
+    - with ``persistent_workers=True``, each worker builds its next epoch's plan once it has handed
+      out its last batch (``datacache.pytorch.next_plan``).
 
     The dataset is configured in place (``loader.dataset is ds``), before any iteration, so its
     ``state_dict``, ``len()`` and ``set_epoch`` agree with the loader's. Not thread-safe, like
@@ -104,6 +106,7 @@ class DataLoader(StatefulDataLoader):
                                  "resume state counts on torch taking the workers' batches in turn")
             _configure(dataset, batch_size, collate_fn, drop_last)
             dataset._pin = bool(pin_memory)  # the training process pins the batch rings (datacache.pytorch.batches)
+            dataset._plan_ahead = bool(kwargs.get("persistent_workers"))  # a worker that lives on plans its next epoch
             batch_size, collate_fn, drop_last = None, None, False
             kwargs.pop("snapshot_every_n_steps", None)
             self._plain = dict(batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **kwargs)
