@@ -369,8 +369,15 @@ def test_a_chunk_of_rows_read_in_place_is_larger(tmp_path: Any) -> None:
 def test_the_next_plan_is_taken_where_it_plans_the_same() -> None:
     """A plan built ahead (datacache.pytorch.next_plan) is taken for the spec it was built for, and
     for one that differs only in a budget its share fits either way; any other difference, or a
-    budget that decides otherwise, plans again. The plan taken is the one ``build_plan`` gives."""
-    from datacache.pytorch.next_plan import NextPlan, expected_spec, same_plan
+    budget that decides otherwise, plans again. The plan taken is the one ``build_plan`` gives; what
+    it opened is handed over once, and closed by ``close`` where it is not taken."""
+    from datacache.pytorch.next_plan import NextEpoch, expected_spec, same_plan
+
+    class Opened:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
 
     counts = np.full(12, 50)
     cold = PlanSpec(seed=2, epoch=0, num_workers=2, worker_id=1, batch_size=8, mix_bytes=600, mix_from=1,
@@ -378,42 +385,63 @@ def test_the_next_plan_is_taken_where_it_plans_the_same() -> None:
     warm = expected_spec(cold)
     assert (warm.epoch, warm.part_bytes, warm.part_narrow, warm.part_strata, warm.mix_from) == (1, 0, 0, 0, 1)
     assert build_plan(counts, warm).rows is not None, "the warm epoch is a node mix"
-    ahead = NextPlan(counts, warm)
+    opened: list[Opened] = []
+    ahead = NextEpoch(counts, warm, lambda plan: opened.append(Opened()) or opened[-1])
     assert same_plan(counts, replace(warm, mix_bytes=10_000), warm)
     assert not same_plan(counts, replace(warm, mix_bytes=599), warm), "599 < 600 samples: no mix"
     assert not same_plan(counts, replace(warm, chunk_bytes=65), warm)
-    assert ahead.take(replace(warm, epoch=2)) is None
-    got, want = ahead.take(replace(warm, mix_bytes=900)), build_plan(counts, warm)
+    assert ahead.take(replace(warm, epoch=2)) == (None, None)
+    (got, consumer), want = ahead.take(replace(warm, mix_bytes=900)), build_plan(counts, warm)
     assert got is not None and got.samples.tolist() == want.samples.tolist()
     assert got.runs == want.runs and got.steps.tolist() == want.steps.tolist()
+    assert consumer is opened[0] and ahead.take(warm)[1] is None, "handed over once"
+    ahead.close()
+    assert not opened[0].closed, "closed what was taken"
+    ahead = NextEpoch(counts, warm, lambda plan: opened.append(Opened()) or opened[-1])
+    assert ahead.take(warm, opened=False)[1] is None
+    ahead.close()
+    ahead.close()
+    assert len(opened) == 2 and opened[1].closed
 
 
 def _spy_plans(log: str) -> Any:
-    """``build_plan`` that first appends (pid, epoch) of each whole plan to the file ``log``."""
-    import os
-
+    """``build_plan`` that first appends "plan <epoch>" of each whole plan to the file ``log``."""
     def spy(counts: Any, spec: PlanSpec, order: Any = None, **kw: Any) -> Any:
         if not kw:
             with open(log, "a") as f:
-                f.write(f"{os.getpid()} {spec.epoch}\n")
+                f.write(f"plan {spec.epoch}\n")
         return build_plan(counts, spec, order=order, **kw)
+    return spy
+
+
+def _spy_consumers(log: str) -> Any:
+    """``Consumer`` that first appends "<thread name> <epoch>" of each one made to the file ``log``."""
+    import threading
+
+    from datacache.read.consumer import Consumer
+
+    def spy(**kw: Any) -> Any:
+        with open(log, "a") as f:
+            f.write(f"{threading.current_thread().name} {kw['epoch']}\n")
+        return Consumer(**kw)
     return spy
 
 
 @pytest.mark.timeout(180)
 def test_a_persistent_worker_plans_its_next_epoch_while_it_waits(sorted_url: str, tmp_path: Any,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Persistent DataLoader workers build each warm epoch's plan after their last batch of the
-    epoch before (datacache.pytorch.next_plan): from epoch 2 on no worker plans when its epoch
-    starts, and every epoch's batches are those of workers that plan each epoch afresh (fresh
-    workers, a cache of their own)."""
+    """Persistent DataLoader workers plan each warm epoch after their last batch of the epoch
+    before, and open its consumer there, every shard being cached (datacache.pytorch.next_plan):
+    from epoch 2 on no worker plans or opens when its epoch starts, and every epoch's batches are
+    those of workers that plan each epoch afresh (fresh workers, a cache of their own)."""
     from datacache import DataLoader
     from datacache.pytorch import dataset as dataset_module
 
     runs = {}
     for persistent in (True, False):
         log = tmp_path / f"plans-{persistent}"
-        monkeypatch.setattr(dataset_module, "build_plan", _spy_plans(str(log)))  # the workers fork with it
+        monkeypatch.setattr(dataset_module, "build_plan", _spy_plans(str(log)))  # the workers fork with them
+        monkeypatch.setattr(dataset_module, "Consumer", _spy_consumers(str(log)))
         cache = NodeCache(CacheConfig(ram_bytes="4MB", ssd_bytes="8MB", ram_dir=f"{tmp_path}/{persistent}-ram",
                                       ssd_dir=f"{tmp_path}/{persistent}-ssd"))
         ds = StreamingDataset(sorted_url, cache=cache, seed=5)
@@ -426,11 +454,14 @@ def test_a_persistent_worker_plans_its_next_epoch_while_it_waits(sorted_url: str
         del loader
         ds.close()
         cache.close()
-        planned = Counter(int(line.split()[1]) for line in log.read_text().splitlines())
-        runs[persistent] = (epochs, planned)
+        runs[persistent] = (epochs, Counter(tuple(line.split()) for line in log.read_text().splitlines()))
     assert runs[True][0] == runs[False][0], "a plan built ahead changed the batches"
-    assert runs[False][1] == {0: 2, 1: 2, 2: 2, 3: 2}, runs[False][1]  # the spy sees every worker's plan
-    assert runs[True][1][0] == 2 and runs[True][1][2] == runs[True][1][3] == 0, runs[True][1]
+    fresh, persistent = runs[False][1], runs[True][1]
+    assert {k[1] for k in fresh} == {"0", "1", "2", "3"} and set(fresh.values()) == {2}, fresh  # the spies see all
+    assert persistent[("plan", "0")] == 2 and persistent[("MainThread", "0")] == 2, persistent
+    for epoch in ("2", "3"):
+        assert persistent[("plan", epoch)] == persistent[("MainThread", epoch)] == 0, persistent
+        assert persistent[("datacache-next-epoch", epoch)] == 2, persistent
 
 
 @pytest.mark.parametrize("bs", [8, 100, 256])

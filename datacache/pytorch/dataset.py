@@ -70,7 +70,7 @@ from ..read.shard_source import ShardSource, tell_plan
 from ..store.storage import Store
 from .batches import RingCollator, batched, collate, sharing
 from .gather import Gatherer, gathered
-from .next_plan import NextPlan, expected_spec
+from .next_plan import NextEpoch, expected_spec
 from .rounds import Rounds, WorkerBatches
 from .shared import STORE_FIELDS, AutoEpochs, OwnStats, main_token, shared_int, worker_token
 from .torch_compat import loader_batch
@@ -224,7 +224,7 @@ class StreamingDataset(tud.IterableDataset):
         self._iterations = 0  # iter() calls in this process: the latest one is the live iteration
         self._consumer: Consumer | None = None
         self._inflation: float | None = None  # ``_in_place_chunk``'s probe of the cached shards, once known
-        self._next_plan: NextPlan | None = None  # a worker's guess at its next epoch's plan (next_plan)
+        self._next_plan: NextEpoch | None = None  # a worker's guess at its next epoch (next_plan)
         self._plan_ahead = True  # whether workers build it: datacache.DataLoader sets persistent_workers here
         self._collator: RingCollator | None = None
         self._worker = (0, 1)
@@ -397,32 +397,13 @@ class StreamingDataset(tud.IterableDataset):
         spec = resume_spec(self._spec(num_workers, worker_id), self._resume)
         order, skip = resume_plan(self.counts, spec, self._resume, orders=self._mix)
         ahead, self._next_plan = self._next_plan, None
-        plan = ahead.take(spec) if ahead is not None and order is None else None
-        if plan is None:
-            plan = build_plan(self.counts, spec, order=order)
-        schedule = None
-        if self.cache.config.policy != "lru":
-            ranks = self._node_dp_ranks() if order is None else [self.dp_rank]
-            share = self.cache.control_dir if worth_sharing(len(self.counts), ranks, num_workers) else None
-            times = node_schedule(self.manifest, self.counts, spec, ranks, first_plan_order=order,
-                                  share_dir=share, orders=self._mix)
-            owned = owned_keys(self._sources()) if self._peers is not None else {}
-            if owned and self._mix is None and not spec.node_placed:  # global placement: peers read what we own
-                times = with_cluster_times(times, self.manifest, self.counts, spec,
-                                           owned.get(self.manifest.dataset_id, frozenset()), share)
-            schedule = tell_plan(self.cache, times, owned)
+        plan, consumer = ahead.take(spec, opened=skip == 0) if ahead is not None and order is None else (None, None)
+        if ahead is not None:
+            ahead.close()  # what it opened and we do not take
         if self._consumer is not None:
             self._consumer.close()
-        prefetch = cap_lookahead(self.prefetch, self.cache, self.manifest, len(self._node_dp_ranks()) * num_workers)
-        # Batched mode's default collation without a transform: runs read as tables, batches gathered
-        # (datacache.pytorch.gather); a node mix's compressed blocks decompressed once per epoch.
-        columnar = (self.batch_size is not None and self.collate_fn is collate and self.transform is None
-                    and self._mix is None and getattr(self.source.fmt.reader, "columns", None) is not None)
-        consumer = Consumer(source=self.source, plan=plan, epoch=self.epoch, skip=skip, prefetch=prefetch,
-                            schedule=schedule, on_error=self.on_error, lead=self._lead(spec, order, skip, plan.parts),
-                            marks=self._skips, columnar=columnar,
-                            block_cache=2 * spec.chunk_bytes if plan.rows is not None else 0,
-                            name=f"datacache-prefetch-r{self.dp_rank}w{worker_id}")
+        if consumer is None:  # else planned and opened ahead, its first chunks read already
+            consumer = self._open(spec, plan or build_plan(self.counts, spec, order=order), order, skip)
         self._consumer = consumer
         self._resume_base = self._resume
         self._resume = None
@@ -430,14 +411,47 @@ class StreamingDataset(tud.IterableDataset):
         if info is not None and self._plan_ahead and self._mix is None and iteration == self._iterations:
             self._next_plan = self._plan_next(spec)
 
-    def _plan_next(self, spec: PlanSpec) -> NextPlan:
-        """The plan of the epoch expected after ``spec``'s, started on a thread (``next_plan``): a
-        persistent DataLoader worker's next iteration takes it if its spec is the one expected."""
+    def _open(self, spec: PlanSpec, plan: ConsumerPlan, order: np.ndarray | None, skip: int) -> Consumer:
+        """The consumer of ``plan`` (``spec``'s, from position ``skip``), its schedule told to the
+        cache: its threads start reading at once."""
+        schedule = None
+        if self.cache.config.policy != "lru":
+            ranks = self._node_dp_ranks() if order is None else [self.dp_rank]
+            share = self.cache.control_dir if worth_sharing(len(self.counts), ranks, spec.num_workers) else None
+            times = node_schedule(self.manifest, self.counts, spec, ranks, first_plan_order=order,
+                                  share_dir=share, orders=self._mix)
+            owned = owned_keys(self._sources()) if self._peers is not None else {}
+            if owned and self._mix is None and not spec.node_placed:  # global placement: peers read what we own
+                times = with_cluster_times(times, self.manifest, self.counts, spec,
+                                           owned.get(self.manifest.dataset_id, frozenset()), share)
+            schedule = tell_plan(self.cache, times, owned)
+        prefetch = cap_lookahead(self.prefetch, self.cache, self.manifest,
+                                 len(self._node_dp_ranks()) * spec.num_workers)
+        # Batched mode's default collation without a transform: runs read as tables, batches gathered
+        # (datacache.pytorch.gather); a node mix's compressed blocks decompressed once per epoch.
+        columnar = (self.batch_size is not None and self.collate_fn is collate and self.transform is None
+                    and self._mix is None and getattr(self.source.fmt.reader, "columns", None) is not None)
+        return Consumer(source=self.source, plan=plan, epoch=spec.epoch, skip=skip, prefetch=prefetch,
+                        schedule=schedule, on_error=self.on_error, lead=self._lead(spec, order, skip, plan.parts),
+                        marks=self._skips, columnar=columnar,
+                        block_cache=2 * spec.chunk_bytes if plan.rows is not None else 0,
+                        name=f"datacache-prefetch-r{self.dp_rank}w{spec.worker_id}")
+
+    def _plan_next(self, spec: PlanSpec) -> NextEpoch:
+        """The epoch expected after ``spec``'s, planned on a thread and, where every shard it reads
+        is cached, opened (``next_plan``): a persistent DataLoader worker's next iteration takes it if
+        its spec plans the same."""
         nxt = expected_spec(spec)
         if spec.part_bytes:  # the warm node mix after a cold part mix: its chunk as _spec sets it
             fields = {"mix_bytes": nxt.mix_bytes, "chunk_bytes": nxt.chunk_bytes}
             nxt = replace(nxt, **self._in_place_chunk(nxt, fields))
-        return NextPlan(self.counts, nxt)
+
+        def open_cached(plan: ConsumerPlan) -> Consumer | None:  # no fetch, no eviction ahead of the epoch
+            shards = {run[0] for run in plan.runs}
+            if not all(self.cache.contains(self.manifest.cache_key(int(s))) for s in shards):
+                return None
+            return self._open(nxt, plan, None, 0)
+        return NextEpoch(self.counts, nxt, open_cached)
 
     def _check_current(self, iteration: int) -> None:
         """Raise if ``iteration`` was ended by a newer ``iter()`` in this process."""
@@ -586,6 +600,9 @@ class StreamingDataset(tud.IterableDataset):
 
     def close(self) -> None:
         """Stop prefetching and release pinned shards. Idempotent."""
+        ahead, self._next_plan = self._next_plan, None
+        if ahead is not None:
+            ahead.close()
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
