@@ -8,7 +8,11 @@ dataset on a node computes the same node schedule, so it is stored once):
 - ``<name>.live``: every process whose schedule it is holds a shared ``flock`` on it. A plan that no
   process holds is stale and the next ``scan`` removes it, so a job that ended (or died) never
   pins the cache;
-- ``<name>.plan``: the schedule as JSON, written once, atomically (temp, fsync, ``os.replace``);
+- ``<name>.plan``: the schedule as JSON, written once, atomically (temp file, ``os.replace``: a
+  reader sees the whole plan or none). Not fsynced: a plan lives as long as a process holds its
+  ``.live`` lock, so after a crash of the machine, the only case an fsync covers, every plan on the
+  board is stale and removed unread (and an unreadable one is ignored); an fsync at every epoch's
+  start would only make the first batch wait for the disk;
 - ``<name>.clock``: the schedule's clock ``now``, 8 bytes rewritten in place (``pwrite``) by its
   publishers as they read, so that other processes know how far that dataset has got.
 
@@ -173,9 +177,7 @@ class PlanBoard:
         tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}-{time.time_ns()}")
         try:
             with open(tmp, "wb") as f:
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
+                f.write(payload)  # no fsync: see the module docstring
             os.replace(tmp, path)
         except BaseException:
             remove_if_exists(tmp)
