@@ -477,3 +477,16 @@ def test_a_node_mixes_first_chunk_holds_the_first_batch(bs: int) -> None:
     starts = sorted(set(plan.run_starts.tolist()))
     first = max(FIRST_CHUNK, bs)
     assert starts[:3] == [0, first, first * (1 + MIX_GROWTH)], starts[:3]
+
+
+def test_rows_read_in_place_take_as_few_chunks_as_the_first_batch_allows() -> None:
+    """Rows read in place (every block raw) cost a chunk one run per shard and no memory: after the
+    first chunk (a batch) one chunk takes the rest, and where the first touches every shard already
+    it is the whole chunk: one run per shard. Other rows grow their chunks 16 times a step."""
+    assert chunk_bounds(10_000, 5000, 16, 32, in_place_shards=30).tolist() == [0, 5000]
+    assert chunk_bounds(10_000, 5000, 16, 32, in_place_shards=100).tolist() == [0, 32, 5032]
+    assert chunk_bounds(10_000, 5000, 16, 32).tolist() == [0, 32, 544, 5544]
+    counts = np.full(10, 3000)
+    spec = PlanSpec(seed=1, epoch=1, num_workers=2, batch_size=32, mix_bytes=10**9, chunk_bytes=10**6)
+    runs = {flag: build_plan(counts, replace(spec, in_place=flag)).runs for flag in (False, True)}
+    assert len(runs[True]) == 10 and len(runs[False]) > 30, {k: len(v) for k, v in runs.items()}

@@ -89,10 +89,13 @@ class PlanSpec:
     ``mix_from``: from epoch ``mix_from`` on, a node whose part's shards hold at most
     ``mix_bytes`` bytes (sample counts without ``shard_bytes``) reads it as one uniform
     permutation (``datacache.plan.node_shuffle``; 0: never); ``chunk_bytes``: a mixed consumer's read
-    granule, which changes no sample's position. ``part_bytes``: where > 0, an earlier epoch whose
-    part would be mixed so is read as a part mix instead (``datacache.plan.part_shuffle``), in parts of
-    about that many bytes, cut along units of ``unit_rows`` samples where > 0 (the writer's
-    samples per dcz block: ``Manifest.extra["unit_rows"]``), so that a part is one ranged read.
+    granule, which changes no sample's position; ``in_place``: the node's rows are read in place
+    (every block raw), so a chunk costs one run per shard whatever its size, and holds no memory:
+    a node mix then reads in as few chunks as that (``datacache.plan.node_shuffle.chunk_bounds``).
+    ``part_bytes``: where > 0, an earlier epoch whose part would be mixed so is read as a part mix instead
+    (``datacache.plan.part_shuffle``), in parts of about that many bytes, cut along units of ``unit_rows``
+    samples where > 0 (the writer's samples per dcz block: ``Manifest.extra["unit_rows"]``), so that a part is
+    one ranged read.
     ``part_narrow``: the epoch's last parts over which that part mix's window narrows, where a
     part holds 64 samples or more (``datacache.plan.part_shuffle``; 0: it does not, as in states saved
     before it). ``part_strata``: where > 0, that part mix reads its parts in rounds over as many
@@ -118,6 +121,7 @@ class PlanSpec:
     mix_bytes: int = 0
     mix_from: int = 1
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    in_place: bool = False
     part_bytes: int = 0
     part_narrow: int = 0
     part_strata: int = 0
@@ -401,8 +405,11 @@ def _mixed_plan(counts: np.ndarray, spec: PlanSpec, segment: Pieces, first: int,
     else:
         source = mix_positions(np.arange(lo, hi), len(block), seed=spec.seed, epoch=spec.epoch, node=spec.node)
         piece = block.at(source, offsets)
-    c = chunk_runs(piece, offsets, chunk, 2, 0) if parts else \
-        chunk_runs(piece, offsets, chunk, MIX_GROWTH, spec.batch_size)  # the first batch: one chunk
+    if parts:
+        c = chunk_runs(piece, offsets, chunk, 2, 0)
+    else:  # the first batch waits for the first chunk only
+        shards = len(np.unique(block.shard)) if spec.in_place else 0
+        c = chunk_runs(piece, offsets, chunk, MIX_GROWTH, spec.batch_size, in_place_shards=shards)
     samples, run_of = (None, None) if shards_only else (piece, c["run_of"])
     return ConsumerPlan(c["runs"], c["steps"], samples, run_of, len(piece), c["window"], padded, c["starts"],
                         rows=c["rows"], parts=parts, unit_rows=min(rows, spec.unit_rows or rows),

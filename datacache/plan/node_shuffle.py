@@ -77,10 +77,11 @@ def _feistel(x: np.ndarray, half: int, keys: np.ndarray) -> np.ndarray:
     return (left << np.uint64(half)) | right
 
 
-def chunk_runs(piece: np.ndarray, offsets: np.ndarray, chunk: int, growth: int = 2, first: int = 0) -> dict:
+def chunk_runs(piece: np.ndarray, offsets: np.ndarray, chunk: int, growth: int = 2, first: int = 0, *,
+               in_place_shards: int = 0) -> dict:
     """A mixed consumer's reads: ``piece`` (its global ids, in read order) cut into chunks of at
-    most ``chunk`` positions (``chunk_bounds`` with ``growth`` and ``first``), each chunk's samples
-    grouped into one run per shard.
+    most ``chunk`` positions (``chunk_bounds`` with ``growth``, ``first`` and ``in_place_shards``),
+    each chunk's samples grouped into one run per shard.
 
     Returns ``runs`` ((shard, lo, hi) per run, ordered by chunk then shard), ``rows`` (the sorted
     shard-local rows each run reads, a ``Ragged``), ``run_of`` (each position's run), ``steps`` (positions each
@@ -97,7 +98,7 @@ def chunk_runs(piece: np.ndarray, offsets: np.ndarray, chunk: int, growth: int =
     shard = np.searchsorted(offsets, piece, side="right") - 1
     local = piece - offsets[shard]
     shards = len(offsets) - 1
-    chunks = chunk_bounds(n, chunk, growth, first)
+    chunks = chunk_bounds(n, chunk, growth, first, in_place_shards=in_place_shards)
     of_position = np.repeat(np.arange(len(chunks), dtype=np.int64), np.diff(np.append(chunks, n)))
     key = of_position * shards + shard
     if len(chunks) * shards <= 4 * n:  # few (chunk, shard) keys: counted, not sorted (same result)
@@ -128,16 +129,23 @@ FIRST_CHUNK = 32  # positions of a consumer's first chunk: its first batch waits
 MIX_GROWTH = 16
 
 
-def chunk_bounds(n: int, chunk: int, growth: int = 2, first: int = 0) -> np.ndarray:
+def chunk_bounds(n: int, chunk: int, growth: int = 2, first: int = 0, *, in_place_shards: int = 0) -> np.ndarray:
     """Where each chunk of ``n`` positions starts: ``max(FIRST_CHUNK, first)`` positions, then
     ``growth`` times as many each time up to ``chunk`` (a chunk touches about every shard whatever
     its size, so the first batch waits for a small one, and the epoch's reads for few large ones;
-    ``first``: a batch's positions, so that the first batch waits for one chunk's runs, not two)."""
-    out, at, size = [], 0, min(max(FIRST_CHUNK, first), chunk)
+    ``first``: a batch's positions, so that the first batch waits for one chunk's runs, not two).
+    ``in_place_shards``: where > 0, the rows are read in place from that many shards, so a chunk
+    costs one run per shard it touches and no memory: the chunks after the first are all of
+    ``chunk``, and where the first touches about every shard already (it has at least as many
+    positions) it is of ``chunk`` too."""
+    size = min(max(FIRST_CHUNK, first), chunk)
+    if in_place_shards and size >= in_place_shards:
+        size = chunk
+    out, at = [], 0
     while at < n:
         out.append(at)
         at += size
-        size = min(growth * size, chunk)
+        size = chunk if in_place_shards else min(growth * size, chunk)
     return np.asarray(out, dtype=np.int64)
 
 

@@ -317,7 +317,7 @@ class StreamingDataset(tud.IterableDataset):
         if self._inflation is None:
             return fields
         grow = 1 / min(1.0, max(self._inflation, 1 / _IN_PLACE_GROWTH))
-        return {**fields, "chunk_bytes": int(fields["chunk_bytes"] * grow)}
+        return {**fields, "chunk_bytes": int(fields["chunk_bytes"] * grow), "in_place": self._inflation == 0}
 
     def _sources(self) -> list[ShardSource]:
         """The shard sources behind this dataset (a mix's streams', or its one)."""
