@@ -17,6 +17,11 @@ regular enough for one table (an ``ndarray`` field whose rows differ in dtype or
 dimensions, or anything malformed): the caller then reads those samples one by one, which
 raises the precise error where there is one.
 
+Rows of one encoded length whose structure bytes (each field's size, an array's header) are the
+first row's have the first row's layout (it is a function of those bytes alone): ``parse_rows``
+then parses and validates the first row and compares those few bytes of the others, the common
+case of fixed-size samples.
+
 :class:`RowLayouts` keeps what ``parse_rows`` found for each row of a shard (where each field's value
 lies from the row's start, its size and shape), so that a reader parses and validates a row once
 however many runs read it: a uniformly shuffled epoch reads each shard in many small runs.
@@ -135,6 +140,10 @@ def parse_rows(span: np.ndarray, base: int, start: np.ndarray, length: np.ndarra
     ``span[0]`` is at address ``base``), or None (see the module docstring). The caller sets the
     table's ``keep``."""
     n = len(start)
+    if n > 1 and (length == length[0]).all():
+        got = _alike(span, base, start.astype(np.int64), int(length[0]), schema)
+        if got is not None:
+            return got
     pos = start.astype(np.int64)
     end = pos + length.astype(np.int64)
     fields: dict[str, Column] = {}
@@ -166,6 +175,31 @@ def parse_rows(span: np.ndarray, base: int, start: np.ndarray, length: np.ndarra
     if (pos != end).any():
         return None
     return Columns(n, fields, [])
+
+
+def _alike(span: np.ndarray, base: int, start: np.ndarray, length: int, schema: Schema) -> Columns | None:
+    """``parse_rows`` of rows of one ``length`` whose structure bytes (each field's size, an array's
+    dtype text, number of dimensions and shape) are those of the first row, or None where they are
+    not. A row's layout is a function of those bytes alone, so the first row, parsed and validated
+    as every row is, stands for all: one comparison of a few bytes per row instead of the parse."""
+    first = parse_rows(span, base, start[:1], np.array([length]), schema)
+    if first is None:
+        return None
+    rel = 0
+    for name in schema:  # each field's structure bytes, from the row's start: its size (and an array's header)
+        c = first.fields[name]
+        value = int(c.addr[0]) - base - int(start[0])
+        if value > rel:
+            items = np.ndarray((len(span) - (value - rel) + 1,), dtype=np.dtype((np.void, value - rel)),
+                               buffer=span, strides=(1,))
+            got = items[start + rel].view(np.uint8).reshape(len(start), value - rel)
+            if (got != got[0]).any():
+                return None
+        rel = value + int(c.size[0])
+    n = len(start)
+    return Columns(n, {name: Column(c.kind, base + start + (int(c.addr[0]) - base - int(start[0])),
+                                    np.full(n, int(c.size[0]), np.int64), c.dtype, np.repeat(c.shape, n, axis=0))
+                       for name, c in first.fields.items()}, [])
 
 
 def _ndarray(span: np.ndarray, base: int, pos: np.ndarray, size: np.ndarray) -> Column | None:

@@ -307,6 +307,24 @@ def test_columns_equal_the_samples(tmp_path: Any, block_bytes: int) -> None:
             _same(table.sample(k), r.get(i), f"row {i}")
 
 
+def test_rows_of_one_length_are_read_by_their_own_structure(tmp_path: Any) -> None:
+    """Rows of one encoded length are parsed from the first row's structure only where every row's
+    structure bytes (sizes, array headers) are the first's; rows of the same length whose arrays
+    have other shapes, or whose bytes and str values split the row otherwise, keep their own."""
+    rng = np.random.default_rng(0)
+    alike = [{"a": rng.integers(0, 255, (2, 3), dtype=np.uint8), "b": rng.bytes(4), "t": "abcd", "i": i}
+             for i in range(50)]
+    other = [{"a": rng.integers(0, 255, (2, 3) if i % 3 else (3, 2), dtype=np.uint8),
+              "b": rng.bytes(4 if i % 2 else 3), "t": "abc" if i % 2 else "abcd", "i": i} for i in range(50)]
+    for samples in (alike, other):
+        r = ZstdShardReader(_shard(tmp_path, samples, {"a": "ndarray", "b": "bytes", "t": "str", "i": "int"}, 1 << 20))
+        table = r.columns(0, 50)
+        assert isinstance(table, Columns)
+        for k in range(50):
+            _same(table.sample(k), samples[k], f"row {k}")
+        r.close()
+
+
 def test_rows_too_irregular_for_one_table_are_left_to_the_samples(tmp_path: Any) -> None:
     samples = [{"a": np.zeros(3, np.float32 if i % 2 else np.int16)} for i in range(10)]
     r = ZstdShardReader(_shard(tmp_path, samples, {"a": "ndarray"}, 1 << 20))
