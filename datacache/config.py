@@ -94,14 +94,6 @@ class TransferConfig:
     raise it, as ``max_requests``, for a large bandwidth x latency product. A read of at most 64 KiB
     (a shard's index or header, ``datacache.store.storage.SMALL_READ``) takes no slot.
 
-    ``range_bytes``: a ranged read of a partial copy goes on past the blocks asked for over the next
-    ones no process of the node holds or is fetching, to about this many bytes in all (0: the blocks
-    asked for only). A part mix reads every block of its shards in the epoch, so those come with
-    the read that is made anyway instead of with one more: each ranged GET costs about 2 ms of CPU
-    (request, signature, response) besides its bytes, and the 1 MB parts of a cold part mix made
-    ten times the requests of whole-shard reads. 4 MB halves a cold part mix's requests and cuts its
-    CPU by about a sixth (``docs/benchmarks.md``), with its first batch as soon.
-
     ``max_requests_per_s``: optional budget of requests per second to this store prefix for the
     whole node, kept by every process of the node together (a token bucket in the cache's control
     directory); set it below the store's limit divided by the number of nodes reading the prefix.
@@ -111,15 +103,11 @@ class TransferConfig:
     concurrency: int = 8
     max_requests: int = 2
     range_requests: int = 4
-    range_bytes: int = 4 << 20
     timeout: float = 60.0
     max_requests_per_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "part_bytes", parse_size(self.part_bytes))
-        if self.range_bytes is None:
-            raise ValueError("TransferConfig.range_bytes must be a size >= 0 (0: the blocks asked for only), got None")
-        object.__setattr__(self, "range_bytes", parse_size(self.range_bytes))
         if self.part_bytes <= 0 or self.concurrency <= 0 or self.max_requests <= 0 or self.range_requests <= 0:
             raise ValueError("TransferConfig: part_bytes, concurrency, max_requests and range_requests must be > 0")
         if self.max_requests_per_s is not None and not self.max_requests_per_s > 0:

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from datacache import CacheConfig, IntegrityError, TransferConfig
-from datacache._localfs import KeyLock, key_id
+from datacache import CacheConfig, IntegrityError
+from datacache._localfs import key_id
 from datacache.cache.partial import PartialShard
 from datacache.plan.part_shuffle import part_rows
 from datacache.read.shard_source import PartHandle, ShardSource
@@ -35,11 +35,10 @@ def blocky(s3_server: Any, make_s3_url: Any) -> tuple[str, dict[str, Any]]:
     return url, opts
 
 
-def _source(url: str, opts: dict[str, Any], root: str, range_bytes: int = 0) -> ShardSource:
-    """A source whose partial copies fetch the units asked for only (``range_bytes`` 0), unless told."""
+def _source(url: str, opts: dict[str, Any], root: str) -> ShardSource:
     cfg = CacheConfig(ram_bytes=0, ssd_bytes="64MB", ram_dir=os.path.join(root, "ram"),
                       ssd_dir=os.path.join(root, "ssd"))
-    return ShardSource.open(url, storage_options=opts, cache=cfg, transfer=TransferConfig(range_bytes=range_bytes))
+    return ShardSource.open(url, storage_options=opts, cache=cfg)
 
 
 def _check(src: ShardSource, shard: int, handle: Any, lo: int, hi: int) -> None:
@@ -120,40 +119,6 @@ def _child(url: str, opts: dict[str, Any], root: str, ranges: list[tuple[int, in
         out.put(("ok", _read(src)))
     except BaseException as exc:  # reported to the test, with its type
         out.put(("error", repr(exc)))
-    finally:
-        src.close()
-
-
-def test_a_read_takes_the_missing_blocks_after_it_along_up_to_range_bytes(blocky, tmp_path) -> None:
-    """``TransferConfig.range_bytes``: the read of a part's blocks goes on over the next missing ones
-    whose locks are free, up to ``range_bytes`` from its start, in the same ranged GET; it stops
-    before a block another fetcher holds, and never fetches a block twice."""
-    src = _source(*blocky, str(tmp_path), range_bytes=1 << 20)  # more than a shard
-    try:
-        size = src.manifest.shards[0].bytes
-        src.load_rows(0, [0]).release()  # creates the copy: fixed ranges and all its blocks in one more read
-        assert src.cache.contains(src.key(0)) == "ssd"  # complete, verified, cached
-        assert size <= _read(src) <= size + WRITER["block_bytes"] * 2
-
-        part = src._partial(1)
-        assert part is not None
-        busy = KeyLock(src.cache.lock_dir, f"{key_id(src.key(1))}.u6")  # another fetcher holds unit 5
-        assert busy.acquire(blocking=False)
-        try:
-            requests = int(src.store.stats()["requests"])
-            handle = src.load_rows(1, [0])  # the copy's fixed ranges, then units 0 .. 4 in one GET
-            assert isinstance(handle, PartHandle)
-            assert int(src.store.stats()["requests"]) - requests <= 4  # head, tail, maybe the index's rest, one GET
-            assert [part.filled(u) for u in range(6)] == [True] * 5 + [False]
-            _check(src, 1, handle, 0, 4)
-        finally:
-            busy.release()
-        before = _read(src)
-        n = src.manifest.shards[1].samples
-        last = src.load_rows(1, range(n))  # the rest, each block once
-        last.release()
-        assert src.cache.contains(src.key(1)) == "ssd"
-        assert _read(src) - before <= src.manifest.shards[1].bytes
     finally:
         src.close()
 

@@ -8,10 +8,7 @@ block; ``readers.base.ShardLayout``) by whichever process of the node needs it f
 - ``ensure(rows)`` makes the samples at those shard-local rows readable in ``path``: it fetches
   the units holding them that no process has fetched yet (contiguous ones in one ranged read) and waits for
   those another process is fetching. The first call also gets the ranges every read needs
-  (header, index, footer): the format's ``layout`` reads them. With ``run_bytes``, a ranged read
-  goes on over the units after those asked for that are missing and whose locks are free (taken
-  without waiting), up to ``run_bytes`` from its start: the node reads every unit of the copy
-  before it completes, so they come with a read made anyway rather than with one more.
+  (header, index, footer): the format's ``layout`` reads them.
 - When the last unit is in, the process that filled it hands the scratch file to the cache
   (``NodeCache.get`` with a fetcher that moves it into place): size and hash are verified and the
   entry appears as any fetched entry does, atomically; the scratch state is removed.
@@ -82,13 +79,11 @@ class PartialShard:
     """One process's handle on the node's scratch copy of one key (see the module docstring)."""
 
     def __init__(self, cache: NodeCache, key: str, *, size: int, digest: str | None, samples: int,
-                 layout_of: LayoutOf, name: str, run_bytes: int = 0) -> None:
+                 layout_of: LayoutOf, name: str) -> None:
         """``cache``: the node cache; ``key``: the cache key; ``size``/``digest``/``samples``: the
         manifest's byte count, hash and sample count of the whole file; ``layout_of``: the format's
-        ``layout``; ``name``: the object's URL, for errors; ``run_bytes``: how far a ranged read
-        may go on past the units asked for (see the module docstring; 0: not at all)."""
+        ``layout``; ``name``: the object's URL, for errors."""
         self.cache, self.key, self.size, self.digest, self.samples = cache, key, size, digest, samples
-        self.run_bytes = run_bytes
         self._layout_of, self.name = layout_of, name
         self._kid = key_id(key)
         self._state_path = os.path.join(cache.lock_dir, f"{self._kid}.part")
@@ -247,7 +242,7 @@ class PartialShard:
         assert self._state is not None
         return self._state[self._base + unit] == 1
 
-    def ensure(self, rows: list[int], fetch: Fetch, use_at: float | None = None, extend: bool = True) -> bool:
+    def ensure(self, rows: list[int], fetch: Fetch, use_at: float | None = None) -> bool:
         """Make the samples at the shard-local ``rows`` (sorted) readable in ``path``, fetching what
         is missing with ``fetch(start, end)`` (a ranged read of the object; see the module
         docstring); the last unit in completes the copy into the cache. Returns whether the copy
@@ -257,9 +252,7 @@ class PartialShard:
         at the end of a part-mixed epoch, when most shards complete, up to ten threads of a
         process queued up to 0.1 s each for that hand-over with their rows in). Raises
         ``PartialGone`` where the copy is gone (read the shard with a cache get),
-        ``IntegrityError`` where it completed and failed the hash, and the fetch's errors.
-        ``extend``: False reads the units asked for only, whatever ``run_bytes`` (an epoch's first
-        chunk, which the first batch waits for)."""
+        ``IntegrityError`` where it completed and failed the hash, and the fetch's errors."""
         self._attach(fetch)
         assert self.layout is not None
         units = [u for u in self.layout.units_of_rows(rows) if not self.filled(u)]
@@ -267,7 +260,7 @@ class PartialShard:
             run = [units.pop(0)]
             while units and units[0] == run[-1] + 1:
                 run.append(units.pop(0))
-            self._fill_run(run, fetch, extend)
+            self._fill_run(run, fetch)
         if not self.complete():
             return False
         with self._lock:  # one thread of the process hands the copy over; the others read it meanwhile
@@ -281,9 +274,8 @@ class PartialShard:
                 self._committing = False
         return True
 
-    def _fill_run(self, run: list[int], fetch: Fetch, extend: bool = True) -> None:
-        """Fetch the units ``run`` (consecutive) that are still missing once their locks are held,
-        with ``extend`` the missing units after them that ``run_bytes`` lets the read take along."""
+    def _fill_run(self, run: list[int], fetch: Fetch) -> None:
+        """Fetch the units ``run`` (consecutive) that are still missing once their locks are held."""
         assert self.layout is not None
         locks = [KeyLock(self.cache.lock_dir, f"{self._kid}.u{u + 1}") for u in run]
         held: list[KeyLock] = []
@@ -291,8 +283,6 @@ class PartialShard:
             for lock in locks:  # ascending unit order on every thread: no cycle of waits
                 lock.acquire()
                 held.append(lock)
-            if extend and self.run_bytes:
-                run = run + self._extend(run[0], run[-1] + 1, held)
             todo = [u for u in run if not self.filled(u)]
             while todo:  # runs of still-missing units, each one ranged read
                 part = [todo.pop(0)]
@@ -315,21 +305,6 @@ class PartialShard:
         finally:
             for lock in held:
                 lock.release()
-
-    def _extend(self, first: int, unit: int, held: list[KeyLock]) -> list[int]:
-        """The units from ``unit`` on that a read starting at unit ``first`` takes along (see
-        ``run_bytes``): missing, their locks taken without waiting (added to ``held``), up to
-        ``run_bytes`` from ``first``'s start; it stops at the first unit that is in or busy."""
-        assert self.layout is not None
-        spans, out = self.layout.spans, []
-        while unit < len(spans) and spans[unit][1] - spans[first][0] <= self.run_bytes and not self.filled(unit):
-            lock = KeyLock(self.cache.lock_dir, f"{self._kid}.u{unit + 1}")
-            if not lock.acquire(blocking=False):  # another thread or process fetches it: not ours
-                break
-            held.append(lock)
-            out.append(unit)
-            unit += 1
-        return out
 
     def complete(self) -> bool:
         """Whether every unit is in (thread-safe; reads the shared state)."""

@@ -175,8 +175,7 @@ class Consumer:
     def _get(self, position: int, shard: int, use_at: float) -> CacheHandle | PartHandle:
         if self._reads is not None:
             return self.source.load_rows(shard, self._reads[position].tolist(), priority=position,
-                                         use_at=use_at, cancelled=self._cancelled,
-                                         extend=position >= self._first)  # the first chunk: its own bytes
+                                         use_at=use_at, cancelled=self._cancelled)
         return self.source.fetch(shard, priority=position, use_at=use_at, cancelled=self._cancelled)
 
     def _decode(self, run: int) -> "_Run":

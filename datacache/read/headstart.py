@@ -75,8 +75,7 @@ def fetch_ahead(source: Any, shard: int, *, priority: float, use_at: float, canc
         if rows is None:
             handle = source.fetch(shard, priority=priority, use_at=use_at, cancelled=cancelled)
         else:
-            handle = source.load_rows(shard, rows, priority=priority, use_at=use_at, cancelled=cancelled,
-                                      extend=False)  # first chunks: the first batch waits for their bytes alone
+            handle = source.load_rows(shard, rows, priority=priority, use_at=use_at, cancelled=cancelled)
     except Exception as exc:  # noqa: BLE001 - the consumer's own fetch raises it to the training loop
         log.debug("%s: shard %d not fetched (%s); its consumer will", who, shard, exc)
         return False

@@ -237,16 +237,14 @@ class ShardSource:
         return err
 
     def load_rows(self, shard: int, rows: Iterable[int], *, priority: float | None = None,
-                  use_at: float | None = None, cancelled: Callable[[], bool] | None = None,
-                  extend: bool = True) -> "CacheHandle | PartHandle":
+                  use_at: float | None = None,
+                  cancelled: Callable[[], bool] | None = None) -> "CacheHandle | PartHandle":
         """The samples at the shard-local ``rows`` of shard ``shard`` made local, for ``read_rows``:
         a pinned cache handle where the shard is cached (or is once they are in), else a
         ``PartHandle`` on the node's partial copy of the shard with the units holding them in
         (``datacache.cache.partial``: ranged reads, each unit fetched once per node). A format without
         a ``layout``, or no room for a copy: the whole shard, as ``fetch``. ``priority``,
-        ``use_at``, ``cancelled``: as for ``fetch``. ``extend``: whether a ranged read may take the
-        next missing units along (``TransferConfig.range_bytes``); False for an epoch's first
-        chunk, which the first batch waits for."""
+        ``use_at``, ``cancelled``: as for ``fetch``."""
         partial = self._partial(shard)
         if partial is not None:
             name = self.manifest.shards[shard].name
@@ -257,7 +255,7 @@ class ShardSource:
                 except NotFoundError as exc:
                     raise self._missing(shard) from exc
             try:
-                if not partial.ensure(sorted(set(int(r) for r in rows)), fetch, use_at=use_at, extend=extend):
+                if not partial.ensure(sorted(set(int(r) for r in rows)), fetch, use_at=use_at):
                     return PartHandle(partial.path or "")
             except PartialGone as exc:
                 if not self.cache.contains(self.key(shard)):  # not completed elsewhere: whole from now on
@@ -291,7 +289,7 @@ class ShardSource:
                 info = self.manifest.shards[shard]
                 partial = self._partials[shard] = PartialShard(
                     self.cache, self.key(shard), size=info.bytes, digest=info.hash, samples=info.samples,
-                    layout_of=self.fmt.layout, name=self.url(shard), run_bytes=self.store.transfer.range_bytes)
+                    layout_of=self.fmt.layout, name=self.url(shard))
             return partial
 
     def _forget(self, shard: int) -> None:
