@@ -6,12 +6,13 @@ so verifying an entry before it becomes visible never bounds a cache fill. Hashe
 """
 from __future__ import annotations
 
+import mmap
 import os
 from typing import BinaryIO
 
 import xxhash
 
-__all__ = ["ALGORITHM", "hash_bytes", "hash_fd", "hash_file", "hash_fileobj", "Hasher"]
+__all__ = ["ALGORITHM", "hash_bytes", "hash_fd", "hash_file", "hash_fileobj", "hash_private_file", "Hasher"]
 
 ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
@@ -49,6 +50,19 @@ def hash_file(path: str | os.PathLike[str]) -> str:
     """Hash of a local file's whole content."""
     with open(path, "rb", buffering=0) as f:
         return hash_fileobj(f)
+
+
+def hash_private_file(path: str | os.PathLike[str]) -> str:
+    """Hash of a local file that nothing shrinks while it is hashed (a fetcher's own temp file,
+    before it is renamed into the cache): its pages are mapped and hashed where they lie, not copied
+    into buffers first (``hash_file`` reads the file into a fresh buffer per chunk, which the
+    kernel must map and zero). Not for files another process may truncate meanwhile: a mapped page
+    past a new end faults (SIGBUS)."""
+    with open(path, "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return hash_bytes(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return hash_bytes(m)
 
 
 def hash_fd(fd: int) -> str:

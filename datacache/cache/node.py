@@ -45,7 +45,7 @@ from .._localfs import (
 )
 from ..config import CacheConfig
 from ..errors import CacheError, IntegrityError
-from ..hashing import hash_fd, hash_file
+from ..hashing import hash_fd, hash_private_file
 from .eviction import EvictionPolicy, LRUPolicy
 from .handles import CacheHandle, PassDir
 from .index import Entry, Index
@@ -272,7 +272,7 @@ class NodeCache:
         if size is not None and nbytes != size:
             raise IntegrityError(f"fetched {nbytes} bytes for {key}, the manifest declares {size}",
                                  hint="The object changed or is truncated: rebuild the manifest or re-upload it")
-        h = hash_file(tmp)
+        h = hash_private_file(tmp)  # ours alone, under the key's lock: hashed in place
         if digest is not None and h != digest:
             raise IntegrityError(f"content hash of {key} is {h}, the manifest declares {digest}",
                                  hint="The object is corrupt or changed since the manifest was written")
