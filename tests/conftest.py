@@ -119,10 +119,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "server: uses the session's S3 server (not in `make test-fast`)")
     config.addinivalue_line("markers", "subprocess: starts processes: DataLoader workers, the CLI, torchrun "
                             "(not in `make test-fast`)")
+    # --dist loadfile hands the files out in collection order, which pytest_collection_modifyitems sets
+    # (heaviest first); xdist's own reorder (most tests first) would send the slow 1-3-test files last
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from tests.helpers.tiers import spawning
+    from tests.helpers.tiers import spawning, weight_order
+
+    items[:] = [items[i] for i in weight_order([item.nodeid for item in items])]  # heaviest files first
 
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})

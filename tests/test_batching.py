@@ -25,6 +25,10 @@ from datacache.plan.epoch import PlanSpec, build_plan
 from datacache.pytorch.batches import RingCollator, ShmTensor, collate
 
 N = 2000
+# test_len_is_what_comes in samples mode: one sample per item through the workers, 2 epochs (and an
+# optimizer and scheduler step each): 7 shards (the last short) split over 2 and 4 workers as unevenly
+# as the 27 of N (7 and 27 are 3 mod 4, 1 mod 2)
+N_SAMPLES = 500
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
               pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")]
 Pair = namedtuple("Pair", "a b")
@@ -118,12 +122,26 @@ def test_shared_ring_batch_refuses_default_collate() -> None:
 
 
 # ---------------------------------------------------------------- through a DataLoader
+def _write(tmp_path_factory: pytest.TempPathFactory, n: int) -> tuple[str, list[int]]:
+    """An ``n``-sample dataset of ~76-sample shards: its URL and its shards' sample counts."""
+    u = f"file://{tmp_path_factory.mktemp('batching')}/ds"
+    m = write_dataset(({"i": i, "x": np.full(4, i, np.int32)} for i in range(n)), u, shard_bytes=4000, progress=False)
+    return u, [s.samples for s in m.shards]
+
+
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 2000-sample dataset in ~20 shards."""
-    u = f"file://{tmp_path_factory.mktemp('batching')}/ds"
-    m = write_dataset(({"i": i, "x": np.full(4, i, np.int32)} for i in range(N)), u, shard_bytes=4000, progress=False)
-    assert 10 <= len(m.shards) <= 40
+    u, shards = _write(tmp_path_factory, N)
+    assert 10 <= len(shards) <= 40
+    return u
+
+
+@pytest.fixture(scope="module")
+def samples_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An N_SAMPLES-sample dataset whose shards split over 2 and 4 workers unevenly, the last one short."""
+    u, shards = _write(tmp_path_factory, N_SAMPLES)
+    assert len(shards) % 2 and len(shards) % 4 > 1 and shards[-1] < shards[0]
     return u
 
 
@@ -172,13 +190,13 @@ def _run_epochs(ds: StreamingDataset, loader: DataLoader, epochs: int) -> list[l
     return out
 
 
-def _check_batches(batches: list[list[int]], drop_last: bool, size: int = 32) -> None:
+def _check_batches(batches: list[list[int]], drop_last: bool, size: int = 32, n: int = N) -> None:
     ids = [i for b in batches for i in b]
     if drop_last:
         assert all(len(b) == size for b in batches), "drop_last=True delivered a short batch"
-        assert len(set(ids)) == len(ids) == N // size * size
+        assert len(set(ids)) == len(ids) == n // size * size
     else:
-        assert sorted(ids) == list(range(N))
+        assert sorted(ids) == list(range(n))
         assert sorted(len(b) for b in batches)[1:] == [size] * (len(batches) - 1), "more than one short batch"
 
 
@@ -186,15 +204,17 @@ def _check_batches(batches: list[list[int]], drop_last: bool, size: int = 32) ->
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("workers", [0, 2, 4])
 @pytest.mark.parametrize("mode", ["batched", "samples"])
-def test_len_is_what_comes(url: str, cache: NodeCache, mode: str, workers: int, drop_last: bool) -> None:
+def test_len_is_what_comes(url: str, samples_url: str, cache: NodeCache, mode: str, workers: int,
+                           drop_last: bool) -> None:
     """len(DataLoader(ds, batch_size=None)) items come: in batched mode batches, full ones with
-    drop_last, and OneCycleLR sized by it works; in samples mode samples."""
-    size = 32 if mode == "batched" else 1
-    ds = StreamingDataset(url, cache=cache, batch_size=size if size > 1 else None, drop_last=drop_last, seed=2)
+    drop_last, and OneCycleLR sized by it works; in samples mode samples (of the smaller dataset)."""
+    size, n = (32, N) if mode == "batched" else (1, N_SAMPLES)
+    ds = StreamingDataset(url if mode == "batched" else samples_url, cache=cache, batch_size=size if size > 1 else None,
+                          drop_last=drop_last, seed=2)
     loader = DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
-    assert len(loader) == (N // size if drop_last else -(-N // size))
+    assert len(loader) == (n // size if drop_last else -(-n // size))
     for batches in _run_epochs(ds, loader, 2):
-        _check_batches(batches, drop_last, size)
+        _check_batches(batches, drop_last, size, n)
     del loader
     ds.close()
 

@@ -254,7 +254,10 @@ class SeaweedServer:
                     except Exception as cexc:
                         last = f"create_bucket: {type(cexc).__name__}: {cexc}"
             time.sleep(delay)
-            delay = min(delay * 1.5, 1.0)
+            # at most a quarter second between polls (a head_bucket each, a few ms): the suite and the
+            # bench start a server ~20 times, often taking seconds on a busy machine, and a 1 s step
+            # overshot the server's readiness by half a second on average
+            delay = min(delay * 1.5, 0.25)
 
     def _log_tail(self, n: int = 40) -> str:
         try:
