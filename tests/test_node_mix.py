@@ -490,3 +490,25 @@ def test_rows_read_in_place_take_as_few_chunks_as_the_first_batch_allows() -> No
     spec = PlanSpec(seed=1, epoch=1, num_workers=2, batch_size=32, mix_bytes=10**9, chunk_bytes=10**6)
     runs = {flag: build_plan(counts, replace(spec, in_place=flag)).runs for flag in (False, True)}
     assert len(runs[True]) == 10 and len(runs[False]) > 30, {k: len(v) for k, v in runs.items()}
+
+
+def _no_guess(spec: PlanSpec) -> PlanSpec:
+    raise RuntimeError("no guess today")
+
+
+@pytest.mark.timeout(180)
+def test_a_next_epoch_that_cannot_start_ahead_starts_as_before(sorted_url: str, cache: NodeCache,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting the next epoch ahead is a guess: where it fails, the epoch that was read ends without
+    an error and the next one starts as without it, every sample once."""
+    from datacache import DataLoader
+    from datacache.pytorch import dataset as dataset_module
+
+    monkeypatch.setattr(dataset_module, "expected_spec", _no_guess)  # the workers fork with it
+    ds = StreamingDataset(sorted_url, cache=cache, seed=5)
+    loader = DataLoader(ds, batch_size=32, num_workers=2, persistent_workers=True)
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        assert sorted(i for b in loader for i in b["i"].tolist()) == list(range(N)), f"epoch {epoch}"
+    del loader
+    ds.close()

@@ -21,6 +21,7 @@ Checkpoints and the loader's questions: ``state_dict``/``load_state_dict``, and 
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -77,6 +78,7 @@ from .torch_compat import loader_batch
 
 __all__ = ["StreamingDataset"]
 
+log = logging.getLogger("datacache.pytorch")
 _IN_PLACE_GROWTH = 16  # a node mix's chunk, at most this many times its size when its rows are read in place
 
 
@@ -409,7 +411,10 @@ class StreamingDataset(tud.IterableDataset):
         self._resume = None
         yield from self._emit(consumer, iteration)
         if info is not None and self._plan_ahead and self._mix is None and iteration == self._iterations:
-            self._next_plan = self._plan_next(spec)
+            try:
+                self._next_plan = self._plan_next(spec)
+            except Exception as exc:  # noqa: BLE001 - a guess: the next epoch then starts as without it
+                log.debug("datacache: cannot start the next epoch of %s ahead: %r", self._label(), exc)
 
     def _open(self, spec: PlanSpec, plan: ConsumerPlan, order: np.ndarray | None, skip: int) -> Consumer:
         """The consumer of ``plan`` (``spec``'s, from position ``skip``), its schedule told to the

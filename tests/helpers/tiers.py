@@ -82,6 +82,7 @@ SPAWNING: frozenset[str] = frozenset({
     "tests/test_loader.py::test_unshuffled_batches_come_in_the_written_order",
     "tests/test_loader.py::test_unshuffled_samples_batched_by_torch_come_in_the_written_order",
     "tests/test_mapped.py::test_planned_order_with_a_sampler",
+    "tests/test_node_mix.py::test_a_next_epoch_that_cannot_start_ahead_starts_as_before",
     "tests/test_node_mix.py::test_a_persistent_worker_plans_its_next_epoch_while_it_waits",
     "tests/test_node_mix.py::test_warm_epoch_is_node_mixed_through_workers",
     "tests/test_parquet_batches.py",
