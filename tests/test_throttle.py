@@ -246,3 +246,21 @@ def test_a_long_outage_is_reported_while_it_is_retried(caplog: Any) -> None:
     (rec,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "s3://b/p/x" in rec.getMessage() and "throttling" in rec.getMessage()
     assert "RetryConfig.deadline=600" in rec.getMessage()
+
+
+def test_a_throttled_error_names_the_throttling_answer_whatever_failed_last() -> None:
+    """The node's gate ends a throttled operation (``NodeBackoff``): its error names the store's
+    last throttling answer (503 SlowDown) even where a later attempt failed otherwise (a timeout
+    on a busy machine), so that the user reads why."""
+    from datacache.store import retry as _retry
+
+    answers = iter([_SlowDown(), TimeoutError("read timed out"),
+                    _retry.NodeBackoff("the gate's wait is past the deadline")])
+
+    def fn() -> None:
+        raise next(answers)
+    with pytest.raises(ThrottledError) as info:
+        _retry.retry_call(fn, RetryConfig(deadline=600), url="s3://b/p/x", op="read", redact=str,
+                          sleep=lambda _: None)
+    assert "SlowDown" in str(info.value) and "throttling" in str(info.value), str(info.value)
+    assert isinstance(info.value.__cause__, _SlowDown)

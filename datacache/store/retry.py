@@ -353,7 +353,7 @@ def retry_call(
     """
     t0 = time.monotonic() if started is None else started
     attempts = max(1, policy.attempts) if policy.attempts is not None else None
-    attempt, last = 0, None
+    attempt, last, throttled = 0, None, None  # the last failure, and the last throttling answer
     while True:
         attempt += 1
         if on_attempt is not None:
@@ -375,7 +375,9 @@ def retry_call(
             limit = policy.deadline if reason is None else min(policy.deadline, policy.connect_deadline)
             retry = (kind in RETRYABLE and not gated and (attempts is None or attempt < attempts)
                      and elapsed + delay < limit and not (cancelled is not None and cancelled()))
-            cause = last if gated and last is not None else exc  # the store's own answer, if any
+            cause = exc  # gated: the store's own answer, if any; the throttling one where there was one
+            if gated:
+                cause = throttled if throttled is not None else last if last is not None else exc
             err = translate(cause, kind, url=url, op=op, attempts=max(1, attempt - gated), elapsed=elapsed,
                             redact=redact) if reason is None else unreachable(op, url, endpoint, reason, attempt,
                                                                               elapsed)
@@ -385,6 +387,8 @@ def retry_call(
                 raise err from cause
             _warn_long_outage(op, url, kind, elapsed, policy.deadline, endpoint, plain_cause(exc, redact))
             last = exc
+            if kind == "throttled" and not gated:
+                throttled = exc
             log.debug("%s %s: attempt %d failed (%s); retrying in %.2fs", op, url, attempt,
                       describe(exc, redact), delay)
         sleep(delay)
