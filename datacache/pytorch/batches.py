@@ -505,17 +505,7 @@ def batched(consumer: Consumer, batches: WorkerBatches, collate: Callable[[list[
             return None
         return collate(batch), consumer.consumed
 
-    return run_batcher(consumer, batches.count, make_batch, mark)
-
-
-def run_batcher(consumer: Consumer, count: int, make_batch: Callable[[int], tuple[Any, int] | None],
-                mark: Callable[[int], None]) -> Iterator[Any]:
-    """Yield the batches ``make_batch(j)`` makes, j < ``count``, each (batch, position after it), on
-    a batcher thread ``_AHEAD`` batches ahead of the one handed out, until one is None;
-    ``mark(position)`` before each batch is yielded (and once with the consumer's start). Closing
-    the iterator closes the consumer, then the batcher: the one batching loop of ``batched`` and
-    ``gather.gathered``."""
-    batcher: Prefetcher[int, Any] = Prefetcher.bounded(range(count), make_batch, ahead=_AHEAD,
+    batcher: Prefetcher[int, Any] = Prefetcher.bounded(range(batches.count), make_batch, ahead=_AHEAD,
                                                        name=f"{consumer.prefetcher.name}-batch")
     mark(consumer.skip)
     try:
