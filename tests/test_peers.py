@@ -297,10 +297,11 @@ def test_a_standby_process_takes_over_the_nodes_server(tmp_path: Path) -> None:
         child.kill()
         child.wait()
         deadline = time.monotonic() + 60
-        while not answers():
+        lease = server_mod._leases[str(Path(cache.control_dir) / f"peer-server-{addr.rsplit(':', 1)[1]}.lock")]
+        # the standby's thread listens, then records its server: wait for both (it answered first once)
+        while not (answers() and lease.server is not None):
             assert time.monotonic() < deadline, "nobody took over the node's server"
             time.sleep(0.05)
-        lease = server_mod._leases[str(Path(cache.control_dir) / f"peer-server-{addr.rsplit(':', 1)[1]}.lock")]
         assert lease.server is not None  # this process serves now
         lease.server.close()
         cache.close()
