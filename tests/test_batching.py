@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import math
 import pickle
+import threading
 import warnings
 from collections import Counter, namedtuple
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, default_collate
 from datacache import NodeCache, StreamingDataset, write_dataset
 from datacache.plan.epoch import PlanSpec, build_plan
 from datacache.pytorch.batches import RingCollator, ShmTensor, collate
+from tests.helpers import faults as H
 
 N = 2000
 # test_len_is_what_comes in samples mode: one sample per item through the workers, 2 epochs (and an
@@ -300,3 +302,35 @@ def test_resume_with_another_batch_size_is_exactly_once(url: str, cache: NodeCac
     rest = [i for b in DataLoader(resumed, batch_size=None, num_workers=2) for i in b["i"].tolist()]
     assert sorted(first + rest) == list(range(N)), "a sample delivered twice or never"
     resumed.close()
+
+
+def _batcher_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t not in before and t.name.endswith("-batch-0")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("columnar", [True, False], ids=["gathered", "collated"])
+def test_an_abandoned_loop_s_batcher_stops_with_the_dataset(url: str, cache: NodeCache, columnar: bool) -> None:
+    """A batched loop left without being closed (its generator still referenced, as torch's
+    single-process iterator does from a reference cycle until the garbage collector runs): the
+    batching thread stops when the dataset starts its next iteration, and when it is closed."""
+    kw = {} if columnar else {"transform": image_and_label}
+    ds = StreamingDataset(url, cache=cache, batch_size=16, seed=3, **kw)
+    before = set(threading.enumerate())
+    held = iter(ds)
+    next(held)
+    first = H.wait_for(lambda: _batcher_threads(before), 30, "the batching thread")
+    again = iter(ds)  # the next iteration: the held loop is over
+    assert len(next(again)["label" if "transform" in kw else "i"]) == 16
+    for t in first:
+        t.join(30)
+        assert not t.is_alive(), "the abandoned loop's batching thread outlives the next iteration"
+    with pytest.raises(RuntimeError, match="ended by a new iter"):
+        next(held)
+    second = [t for t in _batcher_threads(before) if t not in first]
+    assert second
+    ds.close()
+    for t in second:
+        t.join(30)
+        assert not t.is_alive(), "a batching thread outlives close()"
+    del held, again

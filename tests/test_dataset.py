@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 import traceback
 import uuid
 from collections import Counter
@@ -159,19 +158,21 @@ def test_fetch_error_reaches_consumer(location: tuple[str, Any], cache: NodeCach
     del info, it
 
 
-def _prefetch_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("datacache-prefetch")]
+def _prefetch_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("datacache-prefetch") and t not in before]
 
 
-def _wait_no_prefetch_threads(bound: float = 20.0) -> list[threading.Thread]:
-    end = time.monotonic() + bound
-    while _prefetch_threads() and time.monotonic() < end:
-        time.sleep(0.05)
-    return _prefetch_threads()
+def _wait_no_prefetch_threads(before: set[threading.Thread], bound: float = 20.0) -> list[threading.Thread]:
+    """The prefetch threads started since ``before`` (this test's: another test's dataset left to
+    the garbage collector is not this one's) still alive after ``bound`` seconds."""
+    for t in _prefetch_threads(before):
+        t.join(bound)
+    return _prefetch_threads(before)
 
 
 @pytest.mark.timeout(120)
 def test_abandon_and_close(location: tuple[str, Any], cache: NodeCache) -> None:
+    before = set(threading.enumerate())
     ds = make(location, cache, window=1, prefetch=None)
     ds.close()
     ds.close()  # before any iteration, and twice
@@ -182,7 +183,7 @@ def test_abandon_and_close(location: tuple[str, Any], cache: NodeCache) -> None:
                 break
         del it
         gc.collect()
-    assert not _wait_no_prefetch_threads(), "prefetch threads outlive an abandoned iteration"
+    assert not _wait_no_prefetch_threads(before), "prefetch threads outlive an abandoned iteration"
     loader = DataLoader(ds, batch_size=4, num_workers=2)
     it = iter(loader)
     for _ in range(3):
@@ -192,7 +193,7 @@ def test_abandon_and_close(location: tuple[str, Any], cache: NodeCache) -> None:
     assert sorted(int(s["i"]) for s in ds) == list(range(N))  # nothing left pinned or stuck
     ds.close()
     ds.close()
-    assert not _wait_no_prefetch_threads()
+    assert not _wait_no_prefetch_threads(before)
     # every pin was released: a full clear leaves nothing behind
     cache.clear()
     assert cache.stats()["entries_ram"] == 0 and cache.stats()["entries_ssd"] == 0

@@ -35,14 +35,9 @@ DataLoader workers) the ring is anonymous memory.
 
 Thread safety: a ring is filled by one producer thread; slots are freed from any thread.
 
-Batched mode's loop: a consumer's samples collated into whole batches by a batcher thread.
-
-A batcher thread (one ``Prefetcher.bounded``, ``_AHEAD`` batches ahead) collates the next batches
-while the current one is used, so the training loop (or a DataLoader worker's loop, sending the
-last batch) only ever takes a ready batch. The plan position after each batch handed out is
-reported through ``mark`` (what a resume state must record, not what the batcher has read).
-Used by one iterating thread; the batcher thread is the only other one and is closed, with the
-consumer, when the loop ends or is abandoned.
+Batched mode's loop (``batched``): a consumer's samples collated into whole batches on the read
+layer's batching stage (``datacache.read.batcher``: a thread some batches ahead, closed with the
+consumer, the plan position after each batch reported through ``mark``).
 """
 from __future__ import annotations
 
@@ -64,8 +59,8 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 from .._localfs import pid_alive as _alive
 from .._localfs import remove_if_exists as _unlink
 from ..errors import CacheError
+from ..read.batcher import batches as run_batches
 from ..read.consumer import Consumer
-from ..read.prefetch import Prefetcher
 from .collate import Layout, PackedBytes, assemble, collate, layout_end, plan, values
 from .rounds import WorkerBatches
 
@@ -488,13 +483,11 @@ def _create_file(size: int) -> str:
     return path
 
 
-_AHEAD = 4  # batches collated ahead of the one handed out
-
-
 def batched(consumer: Consumer, batches: WorkerBatches, collate: Callable[[list[Any]], Any],
             transform: Callable[[Any], Any] | None, mark: Callable[[int], None]) -> Iterator[Any]:
-    """Yield ``consumer``'s samples (``transform``ed) as ``batches`` says, each ``collate``d;
-    ``mark(position)`` before each batch is yielded (and once with the start position)."""
+    """Yield ``consumer``'s samples (``transform``ed) as ``batches`` says, each ``collate``d, on
+    the batching stage (``datacache.read.batcher``: ``mark(position)`` before each batch is yielded,
+    and once with the start position)."""
     samples = iter(consumer)
     cuts = batches.cuts
 
@@ -505,15 +498,4 @@ def batched(consumer: Consumer, batches: WorkerBatches, collate: Callable[[list[
             return None
         return collate(batch), consumer.consumed
 
-    batcher: Prefetcher[int, Any] = Prefetcher.bounded(range(batches.count), make_batch, ahead=_AHEAD,
-                                                       name=f"{consumer.prefetcher.name}-batch")
-    mark(consumer.skip)
-    try:
-        for item in batcher:
-            if item is None:
-                break
-            mark(item[1])
-            yield item[0]
-    finally:
-        consumer.close()  # first: wakes the batcher thread if it waits on the consumer (Ctrl-C)
-        batcher.close()
+    return run_batches(consumer, batches.count, make_batch, mark)

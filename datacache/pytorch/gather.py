@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import ReaderError
-from ..read.prefetch import Prefetcher
+from ..read.batcher import batches as run_batches
 from ..readers.columns import Columns, address_view
 from .collate import _ROW_ALIGN, Field, _up, values, var_field
 
@@ -270,9 +270,6 @@ def _check_utf8(data: np.ndarray, offsets: np.ndarray, name: str) -> None:
             raise ReaderError(f"field {name!r}: str field is not valid UTF-8 ({exc.reason})") from None
 
 
-_AHEAD = 4  # batches gathered ahead of the one handed out (as ``datacache.pytorch.batches.batched``)
-
-
 def gathered(consumer: Consumer, batches: WorkerBatches, gather: Callable[[list[Piece]], Any],
              mark: Callable[[int], None]) -> Iterator[Any]:
     """``batched`` for a columnar consumer: yield its positions in ``batches``' sizes, each batch
@@ -304,15 +301,4 @@ def gathered(consumer: Consumer, batches: WorkerBatches, gather: Callable[[list[
         consumer.consumed = int(table.step.pos[end - 1]) + 1
         return batch, consumer.consumed
 
-    batcher: Prefetcher[int, Any] = Prefetcher.bounded(range(batches.count), make_batch, ahead=_AHEAD,
-                                                       name=f"{consumer.prefetcher.name}-batch")
-    mark(consumer.skip)
-    try:
-        for item in batcher:
-            if item is None:
-                break
-            mark(item[1])
-            yield item[0]
-    finally:
-        consumer.close()  # first: wakes the batcher thread if it waits on the consumer (Ctrl-C)
-        batcher.close()
+    return run_batches(consumer, batches.count, make_batch, mark)

@@ -6,6 +6,8 @@ Guarantees:
   the future;
 - the prefetcher keeps at most its byte budget ahead of the consumer and hands items over in plan
   order (``prefetch``); a worker's exception reaches the consumer with its traceback;
+- batched loops make their batches on one thread ahead of the loop (``batcher``), closed with the
+  consumer, so an abandoned loop stops when its dataset is closed or iterated again;
 - ``close()`` is idempotent and never hangs; a worker whose training process died stops fetching
   (``lifecycle``).
 

@@ -99,6 +99,7 @@ class Consumer:
         self.on_error, self.marks = on_error, marks
         self.schedule = schedule
         self._stop = threading.Event()  # set by close(): transfers in flight are abandoned
+        self._attached: list[Any] = []  # stages over this consumer, closed with it (attach)
         n_runs = len(plan.runs)
         # Runs that still have samples to read (all of them unless resuming mid-epoch).
         self.needed = sorted(set(plan.run_of[skip:].tolist())) if skip and plan.run_of is not None \
@@ -227,7 +228,7 @@ class Consumer:
         finally:
             for r in open_runs.values():
                 r.release()
-            self.close()
+            self._stop_stages()  # not the stages attached: they still hand out what they made of it
 
     def steps(self) -> Iterator[Step]:
         """Columnar mode's walk of the plan (instead of iterating): per step with positions to
@@ -262,7 +263,7 @@ class Consumer:
         finally:
             for r in open_runs.values():
                 r.release()
-            self.close()
+            self._stop_stages()  # not the stages attached: they still hand out what they made of it
 
     def _table_rows(self) -> np.ndarray:
         """Per plan position, its row in its run's table: the run's shard-local row less ``lo``,
@@ -394,9 +395,22 @@ class Consumer:
         worker, the training process died. Polled by transfers in flight; thread-safe."""
         return self._stop.is_set() or parent_gone()
 
+    def attach(self, stage: Any) -> None:
+        """Close ``stage`` (anything with an idempotent ``close()``, e.g. the batching stage's
+        thread, ``datacache.read.batcher``) when this consumer is closed, after its own stages.
+        Called by the thread that iterates the consumer, before it iterates."""
+        self._attached.append(stage)
+
     def close(self) -> None:
-        """Abandon transfers in flight (their temp files are removed), then stop both stages: the
-        prefetcher first, which wakes the decode thread waiting on it. Idempotent."""
+        """Abandon transfers in flight (their temp files are removed), stop both stages (the
+        prefetcher first, which wakes the decode thread waiting on it), then close the stages
+        attached. Idempotent."""
+        self._stop_stages()
+        for stage in self._attached:
+            stage.close()
+
+    def _stop_stages(self) -> None:
+        """``close`` but for the stages attached (where the plan is read to its end)."""
         self._stop.set()
         self._first_in.set()  # a load waiting for the first chunk or a lead: wake it (it then sees the stop)
         for lead in self._leads:
