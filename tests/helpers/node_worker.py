@@ -17,12 +17,16 @@ epoch write ``paused{e}_rank{r}`` and wait for the test's ``resume{e}``) and lin
 epoch, wait for the test's ``exit`` file: the node's peer server stays up for another job). Per
 epoch it writes the sample ids it got to ``out_dir/epoch{e}_rank{r}.json`` and its node cache's stats to
 ``stats{e}_rank{r}.json`` (with ``bad``: the samples whose bytes were wrong), then waits for the
-test's ``go{e}`` file (so the test reads the proxy's counters between epochs).
+test's ``go{e}`` file (so the test reads the proxy's counters between epochs). SIGUSR1 writes every
+thread's stack to the log (``Job`` sends it to a rank's processes, its DataLoader workers too, when
+an epoch does not finish in time).
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -32,6 +36,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from datacache import CacheConfig, PeerConfig, StreamingDataset
 from tests.helpers.faults import payload
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # inherited by the forked workers
 
 
 def _write(path: str, value: object) -> None:

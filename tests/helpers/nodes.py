@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -55,13 +56,23 @@ class Job:
     def _tail(self) -> str:
         return "\n".join(f"--- rank {r}\n{p.read_text(errors='replace')[-3000:]}" for r, p in enumerate(self.logs))
 
+    def _stuck(self, what: str) -> str:
+        """``what``, and every live rank's stacks (its processes' threads, ``node_worker``'s SIGUSR1)."""
+        for r, p in enumerate(self.procs):
+            if r not in self.killed and p.poll() is None:
+                os.killpg(p.pid, signal.SIGUSR1)
+        time.sleep(1.0)  # the dumps are written by the signal handlers; nothing to wait on
+        return f"{what}:\n" + "\n".join(f"--- rank {r}\n{p.read_text(errors='replace')[-12000:]}"
+                                         for r, p in enumerate(self.logs))
+
     def step(self, epoch: int) -> dict[str, int]:
         want = [self.out / f"{what}{epoch}_rank{r}.json" for r in range(self.world) if r not in self.killed
                 for what in ("epoch", "stats")]
         while not all(p.exists() for p in want):
             for r, p in enumerate(self.procs):
                 assert r in self.killed or p.poll() is None, f"rank {r} exited early ({p.returncode}):\n{self._tail()}"
-            assert time.monotonic() < self.deadline, f"epoch {epoch} did not finish:\n{self._tail()}"
+            if time.monotonic() >= self.deadline:
+                raise AssertionError(self._stuck(f"epoch {epoch} did not finish"))
             time.sleep(0.05)
         snap = self.link.snapshot()
         (self.out / f"go{epoch}").touch()
@@ -88,7 +99,8 @@ class Job:
         want = [self.out / f"{name}_rank{r}" for r in range(self.world) if r not in self.killed]
         while not all(p.exists() for p in want):
             assert all(r in self.killed or p.poll() is None for r, p in enumerate(self.procs)), self._tail()
-            assert time.monotonic() < self.deadline, f"no {name} from every rank:\n{self._tail()}"
+            if time.monotonic() >= self.deadline:
+                raise AssertionError(self._stuck(f"no {name} from every rank"))
             time.sleep(0.05)
 
     def kill_node(self, node: int, per_node: int = 1) -> None:
