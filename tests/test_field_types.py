@@ -341,3 +341,25 @@ def test_a_raw_block_a_live_view_wrote_is_read_as_in_the_file(tmp_path: Any) -> 
     assert table is not None
     assert all(np.array_equal(table.sample(k)["x"], samples[k]["x"]) for k in range(8))
     assert not view.any()
+
+
+@pytest.mark.parametrize("values, bad", [
+    (["é", "ü€", "", "ok", "日本"], None),
+    ([b"\xc3", b"\xa9"], 0),  # each half of one character: the whole decodes, no value does
+    ([b"ab", b"\xff", b"c"], 1),
+    ([b"\xe6\x97", b"\xa5"], 0),
+])
+def test_a_gathered_str_column_is_checked_value_by_value(values: list[Any], bad: int | None) -> None:
+    """The columnar gather checks a batch's str column (non-ASCII) as the readers would, one value
+    at a time: a value that is not UTF-8 is a ReaderError, even where the values' bytes together are."""
+    from datacache.pytorch.gather import _check_utf8
+    from datacache.readers import ReaderError
+
+    raw = [v.encode() if isinstance(v, str) else v for v in values]
+    data = np.frombuffer(b"".join(raw), np.uint8)
+    offsets = np.cumsum([0] + [len(r) for r in raw]).astype(np.int64)
+    if bad is None:
+        _check_utf8(data, offsets, "s")
+        return
+    with pytest.raises(ReaderError, match="field 's': str field is not valid UTF-8"):
+        _check_utf8(data, offsets, "s")

@@ -354,15 +354,8 @@ def _var_value(buf: Any, f: Field) -> Any:
         if f.view:
             data = np.frombuffer(buf, np.uint8, f.nbytes, f.offset) if f.nbytes else np.zeros(0, np.uint8)
             return PackedBytes(torch.from_numpy(data), torch.from_numpy(offsets), f.kind)
-        cuts = offsets.tolist()
         with memoryview(buf) as whole:
-            mv = whole.cast("B")[f.offset:f.offset + f.nbytes]
-            if f.kind == "bytes":
-                return [mv[a:b].tobytes() for a, b in zip(cuts, cuts[1:])]
-            if f.ascii:
-                text = str(mv, "ascii")
-                return [text[a:b] for a, b in zip(cuts, cuts[1:])]
-            return [str(mv[a:b], "utf-8") for a, b in zip(cuts, cuts[1:])]
+            return _copied(whole.cast("B")[f.offset:f.offset + f.nbytes], offsets.tolist(), f.kind, f.ascii)
     ndim = f.shape[1]
     starts = np.frombuffer(buf, np.int64, n, f.aux).tolist()
     shapes = np.frombuffer(buf, np.int64, n * ndim, f.aux + 8 * n).reshape(n, ndim).tolist()
@@ -370,6 +363,17 @@ def _var_value(buf: Any, f: Field) -> Any:
     out = [np.frombuffer(buf, dtype, math.prod(shape), f.offset + at).reshape(shape)
            for at, shape in zip(starts, shapes)]
     return [torch.from_numpy(a) for a in out] if f.kind == "tensors" else out
+
+
+def _copied(mv: memoryview, cuts: list[int], kind: str, ascii: bool) -> list[Any]:
+    """The values of a bytes or str column (value ``i``: ``mv[cuts[i]:cuts[i + 1]]``) as ``bytes``
+    or ``str``, each copied once out of ``mv`` (``ascii``: the column holds ASCII alone)."""
+    if kind == "bytes":
+        return [mv[a:b].tobytes() for a, b in zip(cuts, cuts[1:])]
+    if ascii:
+        text = str(mv, "ascii")
+        return [text[a:b] for a, b in zip(cuts, cuts[1:])]
+    return [str(mv[a:b], "utf-8") for a, b in zip(cuts, cuts[1:])]
 
 
 class PackedBytes:
@@ -413,11 +417,7 @@ class PackedBytes:
         return self.data[a:b]
 
     def tolist(self) -> list[Any]:
-        cuts = self.offsets.tolist()
-        raw = self.data.numpy().tobytes()
-        if self.kind == "str":
-            return [raw[a:b].decode("utf-8") for a, b in zip(cuts, cuts[1:])]
-        return [raw[a:b] for a, b in zip(cuts, cuts[1:])]
+        return _copied(memoryview(self.data.numpy()), self.offsets.tolist(), self.kind, ascii=False)
 
     def pin_memory(self, device: Any = None) -> PackedBytes:
         return PackedBytes(self.data.pin_memory(), self.offsets.pin_memory(), self.kind)
