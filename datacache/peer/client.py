@@ -92,6 +92,17 @@ def runtime() -> Runtime:
         return _runtime
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) gets a lock of its own: another thread of the parent
+    (the peer server's, asking for a shard it owns) may have held the lock at the fork, and the
+    child's first ``runtime()`` would then wait for it forever."""
+    global _runtime_lock
+    _runtime_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _url(addr: str, path: str) -> URL:
     return URL(f"http://{addr}{path}", encoded=True)
 

@@ -28,6 +28,7 @@ therefore thread-safe.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import re
 import socket
@@ -297,6 +298,14 @@ def translate(exc: BaseException, kind: Kind, *, url: str, op: str,
 
 _rng = random.Random()
 _rng_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:  # another thread of the parent may have held it at the fork
+    global _rng_lock
+    _rng_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 _WARN_EVERY = 10.0  # seconds: a long outage is reported (once per process per period), never silent
 _last_warning = [float("-inf")]
 

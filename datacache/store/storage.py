@@ -171,8 +171,12 @@ class Store:
                                        "errors": {}}
 
     def _reset_after_fork(self) -> None:
-        # Runs in the child: the parent's threads do not exist here and its locks may be held.
+        # Runs in the child: the parent's threads do not exist here and its locks may be held, as
+        # may its request slots (the parent's downloads in flight, and their waiters' places in
+        # line): inherited, they would never be given back here and the child would wait forever.
         self._lock = threading.Lock()
+        self._requests = PrioritySlots(self.transfer.max_requests)
+        self._range_requests = PrioritySlots(self.transfer.range_requests)
         self._pid = os.getpid()
         if self._fs is not None:
             abandon_inherited(self._fs)

@@ -63,6 +63,7 @@ SPAWNING: frozenset[str] = frozenset({
     "tests/test_field_types.py::test_resume_mid_epoch_continues_the_same_batches",
     "tests/test_field_types.py::test_warm_shuffle_quality_is_a_random_permutations",
     "tests/test_fork_heap.py",
+    "tests/test_fork_locks.py",
     "tests/test_hostile.py::test_zstd_bomb_in_a_dataset_is_refused_in_bounded_memory",
     "tests/test_loader.py::test_a_dataset_in_batched_mode_keeps_its_size",
     "tests/test_loader.py::test_a_loop_left_early_then_the_next_epoch_reads_every_sample_once",
