@@ -39,10 +39,11 @@ cached (``use_listings_cache=False``), so ``size``/``exists``/``list`` always as
 
 Thread-safety and fork-safety: a ``Store`` is thread-safe; any number of threads may call any
 method concurrently. It is also fork-safe: after ``os.fork()`` (DataLoader workers) the child lazily
-builds its own filesystem instance and thread pool on first use (the pid is tracked and locks are
-re-created in the child by an ``os.register_at_fork`` hook). The parent's filesystem object is
-left untouched in the child (closing it there would disturb the parent's connections); ``stats()``
-restart from zero in the child.
+builds its own filesystem instance and thread pool on first use (the pid is tracked, and locks and
+request slots are re-created in the child by an ``os.register_at_fork`` hook: the parent's other
+threads may hold them at the fork, and none of them runs in the child to give them back). The
+parent's filesystem object is left untouched in the child (closing it there would disturb the
+parent's connections); ``stats()`` restart from zero in the child.
 """
 from __future__ import annotations
 
