@@ -64,14 +64,15 @@ from ..read.consumer import Consumer
 from .collate import Layout, PackedBytes, assemble, collate, layout_end, plan, values
 from .rounds import WorkerBatches
 
-__all__ = ["BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "PackedBytes", "batched", "collate", "sharing",
-           "shm_available", "to_shared_memory"]
+__all__ = ["RING_SLOTS", "BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "PackedBytes", "batched", "collate",
+           "sharing", "shm_available", "to_shared_memory"]
 
 _PAGE = mmap.PAGESIZE
 _FREE, _IN_USE = 0, 1  # slot states: one byte per slot in the ring's header page
 _SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^datacache-batch-(\d+)-(\d+)-\d+$")
 _counter = itertools.count()
+RING_SLOTS = 16  # a ring's slots unless its maker asks for more (datacache.pytorch.bundles.ring_slots)
 _GROWTHS = 8  # new, larger rings a RingCollator makes at most for batches its slots cannot hold
 
 
@@ -80,7 +81,7 @@ class BatchRing:
     batches cross to another process as :class:`ShmBatch`) or in anonymous memory (batches are
     tensors at once). See the module docstring for the slot life cycle."""
 
-    def __init__(self, slot_bytes: int, slots: int = 16, *, shared: bool, pin: bool = False) -> None:
+    def __init__(self, slot_bytes: int, slots: int = RING_SLOTS, *, shared: bool, pin: bool = False) -> None:
         if not 1 <= slots <= _PAGE:
             raise ValueError(f"slots must be in [1, {_PAGE}], got {slots}")
         self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
@@ -162,7 +163,7 @@ class RingCollator:
     the ring (``_SlotState.pin``); ``bytes_views``: bytes and str columns come as ``PackedBytes``.
     One producer thread."""
 
-    def __init__(self, *, shared: bool, slots: int = 16, pin: bool = False, bytes_views: bool = False) -> None:
+    def __init__(self, *, shared: bool, slots: int = RING_SLOTS, pin: bool = False, bytes_views: bool = False) -> None:
         self.shared, self.slots, self.pid = shared, slots, os.getpid()
         self.pin, self.bytes_views = pin, bytes_views
         self.ring: BatchRing | None = None

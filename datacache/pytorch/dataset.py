@@ -69,7 +69,8 @@ from ..read.node_schedule import (
 from ..read.peers import attach, owned_keys, peer_stats, with_cluster_times
 from ..read.shard_source import ShardSource, tell_plan
 from ..store.storage import Store
-from .batches import RingCollator, batched, collate, sharing
+from .batches import RING_SLOTS, RingCollator, batched, collate, sharing
+from .bundles import bundled
 from .gather import Gatherer, gathered
 from .next_plan import NextEpoch, expected_spec
 from .rounds import Rounds, WorkerBatches
@@ -186,6 +187,8 @@ class StreamingDataset(tud.IterableDataset):
         self.transform, self.batch_size, self.collate_fn = transform, batch_size, collate_fn
         self.bytes_views = bytes_views
         self._pin = False  # set by datacache.DataLoader(pin_memory=True): the training process pins the rings
+        # set by datacache.DataLoader while it forks its workers, which send bundles (datacache.pytorch.bundles)
+        self._bundle, self._ring_slots = 0, RING_SLOTS
         self._loader_batched = False  # batch_size set by datacache.DataLoader: len() stays the sample count
         self.prefetch = prefetch or PrefetchConfig()
         self.on_error = on_error
@@ -515,9 +518,10 @@ class StreamingDataset(tud.IterableDataset):
             batches = gathered(consumer, plan_batches, sharing(gather) if worker else gather, mark)
         else:
             batches = batched(consumer, plan_batches, collate_fn, transform, mark)
+        info = tud.get_worker_info()
         try:
-            for batch in batches:
-                yield batch
+            for item in bundled(batches, info.id, self._bundle) if info is not None and self._bundle else batches:
+                yield item
                 self._check_current(iteration)
         finally:
             batches.close()
@@ -534,7 +538,8 @@ class StreamingDataset(tud.IterableDataset):
         """This process's batch ring, kept across epochs (a forked worker makes its own)."""
         ring = self._collator
         if ring is None or ring.pid != os.getpid() or ring.shared != shared or ring.pin != self._pin:
-            ring = self._collator = RingCollator(shared=shared, pin=self._pin, bytes_views=self.bytes_views)
+            ring = self._collator = RingCollator(shared=shared, pin=self._pin, bytes_views=self.bytes_views,
+                                                 slots=self._ring_slots)
         return ring
 
     def _flush_stats(self, consumer: Consumer) -> None:

@@ -33,10 +33,11 @@ import torch.utils.data as tud
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..read.headstart import HeadStart
-from .batches import collate
+from .batches import RING_SLOTS, collate
+from .bundles import BUNDLE, Unbundler, ring_slots
 from .dataset import StreamingDataset
 from .rounds import Rounds
-from .torch_compat import batch_step
+from .torch_compat import batch_range, batch_step
 
 __all__ = ["DataLoader"]
 
@@ -137,6 +138,12 @@ class DataLoader(StatefulDataLoader):
         # samples: about 0.1 s a process) and the head start's reads lead theirs; its threads
         # start after the fork (see datacache.read.headstart).
         head = self.dataset.head_start(self.num_workers, start=False)
+        # Workers forked now send their batches in bundles (datacache.pytorch.bundles); only they
+        # (persistent ones keep their copy): another loader over the dataset gets batches.
+        bundle = BUNDLE if self.dataset.batch_size is not None else 0
+        ds = self.dataset
+        ds._bundle, ds._ring_slots = bundle, ring_slots(self._plain.get("prefetch_factor"), RING_SLOTS) if bundle \
+            else RING_SLOTS
         try:
             with _ctrl_c_held(self._plain["worker_init_fn"]):
                 it = iter(self._torch)  # the workers start (and copy the dataset with any loaded state)
@@ -144,11 +151,13 @@ class DataLoader(StatefulDataLoader):
             if head is not None:  # planned, never started: nothing in flight, nothing left open
                 head.close()
             raise
+        finally:
+            ds._bundle, ds._ring_slots = 0, RING_SLOTS
         if head is not None:
             head.start()
         self._head = head
         self.dataset.resume_started()
-        self._live = _Counted(it, rounds)
+        self._live = _Counted(it, rounds, bundled=self.num_workers if bundle else 0)
         return self._live
 
     def __len__(self) -> int:
@@ -199,9 +208,10 @@ class _Counted:
     the hand-over (unpickling, mapping the ring, a bytes column's copies) overlaps the step instead
     of following it. Used by one thread, as torch's; ``close`` stops the read-ahead (idempotent)."""
 
-    def __init__(self, it: Any, rounds: Rounds) -> None:
+    def __init__(self, it: Any, rounds: Rounds, bundled: int = 0) -> None:
         self._it, self.rounds, self.handed = it, rounds, 0
-        self._next = batch_step(it)
+        step = batch_step(it)
+        self._next = Unbundler(step, bundled, batch_range(it)) if bundled else step  # bundled: the workers'
         self._ahead: _ReadAhead | None = None
         self._returned = -1.0  # when the last batch was handed out (perf_counter)
 

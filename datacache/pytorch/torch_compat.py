@@ -1,4 +1,4 @@
-"""The two places where datacache relies on torch internals, kept together so that a torch that changes
+"""The places where datacache relies on torch internals, kept together so that a torch that changes
 them fails one test (``tests/test_torch_compat.py``) rather than a user's job.
 
 - ``loader_batch``: whether the DataLoader iterating a dataset batches its items itself. Nothing
@@ -6,6 +6,8 @@ them fails one test (``tests/test_torch_compat.py``) rather than a user's job.
   fetcher (``torch.utils.data._utils.fetch._BaseDatasetFetcher.fetch``).
 - ``batch_step``: ``next()`` on torch's DataLoader iterator less the profiler range its
   ``__next__`` opens around every batch (``_next_data``, ``_sampler_iter``, ``_num_yielded``).
+- ``batch_range``: that range's name (``_profile_name``), for the batches of a bundle
+  (``datacache.pytorch.bundles``) that the training process hands out without that call.
 
 Each falls back to the public behaviour when the internals are not there (None; ``it.__next__``).
 Thread safety: stateless.
@@ -13,12 +15,13 @@ Thread safety: stateless.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import FrameType
 from typing import Any
 
 import torch
 
-__all__ = ["batch_step", "loader_batch"]
+__all__ = ["batch_range", "batch_step", "loader_batch"]
 
 
 def loader_batch(caller: FrameType | None) -> int | None:
@@ -41,6 +44,13 @@ def loader_batch(caller: FrameType | None) -> int | None:
         return None
     index = local.get("possibly_batched_index")
     return len(index) if hasattr(index, "__len__") else 1
+
+
+def batch_range(it: Any) -> Callable[[], AbstractContextManager[Any]]:
+    """A new profiler range named as the one torch's worker iterator ``it`` opens around each batch
+    its ``__next__`` hands out (``_profile_name``), for a batch handed out without that call."""
+    name = getattr(it, "_profile_name", None) or f"enumerate(DataLoader)#{type(it).__name__}.__next__"
+    return lambda: torch.autograd.profiler.record_function(name)
 
 
 def batch_step(it: Any) -> Callable[[], Any]:
