@@ -89,9 +89,7 @@ class Unbundler:
         self._step, self._range = step, batch_range
         self._held: list[collections.deque[Any]] = [collections.deque() for _ in range(num_workers)]
         self._ended = [False] * num_workers
-        self._errors: dict[int, Exception] = {}  # a worker's error, raised at its turn
         self._turn = 0  # the worker whose batch is handed out next
-        self._source = -1  # the worker torch's last item came from
 
     def __call__(self) -> Any:
         if self._range is not None and torch.autograd._profiler_enabled() and self._ready():
@@ -117,41 +115,28 @@ class Unbundler:
             self._turn = (p + 1) % w
             held = self._held[p]
             while not held and not self._ended[p]:
-                self._take()
+                try:
+                    self._take()
+                except Exception:
+                    self._ended[p] = True  # its error (see _take) ended its batches, as torch's worker loop
+                    raise
             if held:
                 return held.popleft()
-            if p in self._errors:
-                raise self._errors.pop(p)
         raise StopIteration
 
     def _take(self) -> None:
-        """One item from torch: its batches to their worker's queue. An error torch raises in place
-        of an item is the error of the worker whose item was due (torch takes its workers' items in
-        turn, skipping those that have ended): it is raised at that worker's turn, after the
-        batches that come before it unbundled."""
+        """One item from torch: its batches to their worker's queue. torch raises a worker's error
+        in place of its item; that item is the one due, as the worker whose turn it is has no batch
+        left here and torch takes the workers' items in the same turns: the error comes after
+        the batches before it (``bundled`` sends a worker's batches made before its error first)."""
         try:
             item = self._step()
         except StopIteration:
             self._ended = [True] * len(self._ended)
             return
-        except Exception as exc:
-            q = self._due()
-            self._errors[q], self._ended[q], self._source = exc, True, q
-            return
-        self._source = item.worker
         if not isinstance(item, Bundle):
             raise TypeError(f"datacache: a DataLoader worker sent {type(item).__name__}, not a bundle of batches: "
                             "its dataset was not configured by this datacache.DataLoader")
         self._held[item.worker].extend(item.batches)
         if item.last:
             self._ended[item.worker] = True
-
-    def _due(self) -> int:
-        """The worker whose item torch hands out next."""
-        w = len(self._held)
-        q = (self._source + 1) % w
-        for _ in range(w):
-            if not self._ended[q]:
-                return q
-            q = (q + 1) % w
-        return q
