@@ -3,7 +3,7 @@ the order torch gives one batch per item, errors at their place, fewer items tha
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,8 @@ def torch_items(workers: list[Iterator[Bundle]]) -> Iterator[Bundle | Exception]
                 yield exc
 
 
-def unbundled(workers: list[Iterator[Bundle]]) -> Iterator[Any]:
+def torch_step(workers: list[Iterator[Bundle]]) -> Callable[[], Any]:
+    """``next()`` on a torch loader over these workers: their items in turn, their errors raised."""
     items = torch_items(workers)
 
     def step() -> Any:
@@ -41,8 +42,11 @@ def unbundled(workers: list[Iterator[Bundle]]) -> Iterator[Any]:
         if isinstance(item, Exception):
             raise item
         return item
+    return step
 
-    take = Unbundler(step, len(workers))
+
+def unbundled(workers: list[Iterator[Bundle]]) -> Iterator[Any]:
+    take = Unbundler(torch_step(workers), len(workers))
     while True:
         try:
             yield take()
@@ -96,15 +100,7 @@ def test_after_a_workers_error_the_others_batches_follow() -> None:
         raise ValueError("worker 0")
 
     workers = [bundled(failing(), 0, size=4), bundled(list(range(10, 19)), 1, size=4)]
-    items = torch_items(workers)
-
-    def step() -> Any:
-        item = next(items)
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    take, got = Unbundler(step, 2), []
+    take, got = Unbundler(torch_step(workers), 2), []
     for _ in range(12):
         try:
             got.append(take())
