@@ -8,11 +8,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import datacache
 from datacache import NodeCache, StreamingDataset
-from datacache.pytorch.bundles import Bundle, Unbundler, bundled
+from datacache.pytorch.bundles import Bundle, Deferred, Unbundler, bundled
 
 N = 500
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")]
@@ -70,10 +71,24 @@ def test_bundles_come_out_in_the_order_of_one_batch_per_item(counts: list[int]) 
 
 
 def test_bundles_grow_to_their_size_and_the_last_says_so() -> None:
-    got = list(bundled(range(12), worker=1, size=4))
+    got = list(bundled(range(12), worker=1, size=4, defer=False))
     assert [b.batches for b in got] == [[0], [1, 2], [3, 4, 5, 6], [7, 8, 9, 10], [11]]
     assert [b.last for b in got] == [False] * 4 + [True] and {b.worker for b in got} == {1}
     assert [b.batches for b in bundled(range(3), 0, 4)][-1] == [], "ended on a bundle's edge: an empty last one"
+
+
+def test_batches_without_tensors_cross_pickled_and_are_unpickled_when_handed_out() -> None:
+    """A ring batch's bytes values are made when it is handed out, not when its bundle arrives;
+    a batch holding a tensor (its storage crosses by descriptor) goes as it is."""
+    tensor_batch = {"x": torch.arange(3), "meta": [b"a"]}
+    plain_batch = {"x": [b"a", b"bc"], "n": (1, 2)}
+    (bundle,) = list(bundled([plain_batch], 0, 4))[:1]
+    (deferred,) = bundle.batches
+    assert isinstance(deferred, Deferred) and deferred.load() == plain_batch
+    (bundle,) = list(bundled([tensor_batch], 0, 4))[:1]
+    assert bundle.batches == [tensor_batch]
+    pending = [bundled([plain_batch, plain_batch, plain_batch], 0, 4)]
+    assert list(unbundled(pending)) == [plain_batch] * 3
 
 
 def test_a_workers_error_comes_after_its_batches_made_before_it() -> None:

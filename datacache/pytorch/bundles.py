@@ -29,13 +29,14 @@ one thread at a time (the training loop's or its read-ahead's, as torch's iterat
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Iterator
+import pickle
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Bundle", "Unbundler", "bundled", "ring_slots", "BUNDLE"]
+__all__ = ["BUNDLE", "Bundle", "Deferred", "Unbundler", "bundled", "ring_slots"]
 
 BUNDLE = 4  # batches per bundle at most: about four fifths of torch's per-item price saved
 
@@ -50,14 +51,15 @@ class Bundle(NamedTuple):
     batches: list[Any]
 
 
-def bundled(batches: Iterable[Any], worker: int, size: int = BUNDLE) -> Iterator[Bundle]:
+def bundled(batches: Iterable[Any], worker: int, size: int = BUNDLE, *, defer: bool = True) -> Iterator[Bundle]:
     """``batches`` as bundles of 1, 2, 4, ... up to ``size`` batches, the last one marked (an empty
-    one where the batches end on a bundle's edge, or where there are none)."""
+    one where the batches end on a bundle's edge, or where there are none). ``defer``: a batch
+    that holds no tensor of its own (a ring batch: see ``Deferred``) is sent pickled."""
     bundle: list[Any] = []
     want = 1
     try:
         for batch in batches:
-            bundle.append(batch)
+            bundle.append(Deferred.of(batch) if defer else batch)
             if len(bundle) == want:
                 yield Bundle(worker, False, bundle)
                 bundle, want = [], min(2 * want, size)
@@ -66,6 +68,39 @@ def bundled(batches: Iterable[Any], worker: int, size: int = BUNDLE) -> Iterator
             yield Bundle(worker, False, bundle)
         raise
     yield Bundle(worker, True, bundle)
+
+
+class Deferred:
+    """A batch pickled in the worker and unpickled when the training process hands it out
+    (``load``), not when the bundle arrives: unpickling a ring batch makes its ``bytes`` and ``str``
+    values (copies out of the slot), and a bundle's all at once would take fresh memory from the
+    system for each bundle where one batch's reuses what the previous one gave back. Only for
+    batches whose pickle holds no tensor (a tensor's storage crosses by a descriptor torch passes
+    with the bundle's own pickle); not under ``pin_memory``, whose thread pins the batches as they
+    arrive."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @staticmethod
+    def of(batch: Any) -> Any:
+        """``batch`` deferred where it holds no tensor, else itself."""
+        return batch if _has_tensor(batch) else Deferred(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
+
+    def load(self) -> Any:
+        return pickle.loads(self.data)
+
+
+def _has_tensor(batch: Any) -> bool:
+    if isinstance(batch, torch.Tensor):
+        return True
+    if isinstance(batch, Mapping):
+        return any(_has_tensor(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return any(_has_tensor(v) for v in batch)
+    return False
 
 
 def ring_slots(prefetch_factor: int | None, base: int, size: int = BUNDLE) -> int:
@@ -121,7 +156,8 @@ class Unbundler:
                     self._ended[p] = True  # its error (see _take) ended its batches, as torch's worker loop
                     raise
             if held:
-                return held.popleft()
+                batch = held.popleft()
+                return batch.load() if isinstance(batch, Deferred) else batch
         raise StopIteration
 
     def _take(self) -> None:

@@ -520,7 +520,8 @@ class StreamingDataset(tud.IterableDataset):
             batches = batched(consumer, plan_batches, collate_fn, transform, mark)
         info = tud.get_worker_info()
         try:
-            for item in bundled(batches, info.id, self._bundle) if info is not None and self._bundle else batches:
+            bundles = info is not None and self._bundle
+            for item in bundled(batches, info.id, self._bundle, defer=not self._pin) if bundles else batches:
                 yield item
                 self._check_current(iteration)
         finally:
