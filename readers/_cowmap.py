@@ -108,6 +108,12 @@ class CowMap:
             return self._fresh(offset, length, p0)
         return memoryview(np.frombuffer(self.map, np.uint8, length, offset))
 
+    def clean(self) -> bool:
+        """Whether no view handed out and still alive may have written a page (every byte then
+        reads as in the file through ``map``); reclaims first."""
+        self._reclaim()
+        return not self._maybe.any()
+
     def handed_out(self, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Which of the regions ``offsets``/``lengths`` hold a page that a view handed out and still
         alive may have written (the rest read as in the file through ``map``); reclaims first."""

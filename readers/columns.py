@@ -101,6 +101,11 @@ class Columns:
                 out[name] = decode_field(c.kind, raw)
         return out
 
+    def take(self, rows: np.ndarray) -> Columns:
+        """Rows ``rows`` of this table (a new table over the same buffers)."""
+        return Columns(len(rows), {name: Column(c.kind, c.addr[rows], c.size[rows], c.dtype, c.shape[rows])
+                                   for name, c in self.fields.items()}, self.keep)
+
     @staticmethod
     def concat(columns: Sequence[Column]) -> Column:
         """One field's columns (of one dtype and number of dimensions) one after the other."""

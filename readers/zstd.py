@@ -205,12 +205,14 @@ class ZstdShardReader(_BaseReader):
         self._dict_bytes: bytes | None = None
         self._cached: tuple[int, memoryview] = (-1, memoryview(b""))
         self._layouts: RowLayouts | None = None  # the rows ``columns`` parsed
+        self._whole: Columns | bool | None = None  # every row's table where all blocks are raw (_whole_table)
         self._ensure_open()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_cached"] = None  # a view of this process's pooled buffer
         state["_layouts"] = None  # parsed again where needed
+        state["_whole"] = None  # addresses in this process's mapping
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -247,6 +249,7 @@ class ZstdShardReader(_BaseReader):
 
     def _close_handles(self) -> None:
         self._cached = (-1, memoryview(b""))
+        self._whole = None  # its addresses are the mapping's
         if self._cow is not None:
             self._cow.close()  # samples of raw blocks still view it: unmapped when they are gone
         if self._file is not None:
@@ -407,6 +410,32 @@ class ZstdShardReader(_BaseReader):
         assert self._cow is not None and self._mmap is not None
         if not len(idx):
             return parse_rows(np.zeros(0, np.uint8), 0, idx, idx, self.schema or {})
+        whole = self._whole_table(n)
+        if whole is not None:
+            return whole.take(idx)
+        return self._table(idx, blocks)
+
+    def _whole_table(self, n: int) -> Columns | None:
+        """Every row's table, made once and kept while the mapping is open, where every block is raw
+        (each row's bytes are then at a fixed address of the mapping) and no region handed out may
+        have been written (``CowMap.clean``): a warm epoch's runs are then rows taken from it, with
+        no parse and no per-block work. None where that does not hold (then read as asked)."""
+        assert self._cow is not None
+        if self._whole is False or not self._cow.clean():
+            return None
+        if self._whole is None:
+            raw = (self._blocks[:, 0] & np.uint64(RAW_BLOCK)) != 0
+            try:
+                table = self._table(np.arange(n, dtype=np.int64), None) if raw.all() and n else None
+            except ReaderError:  # a bad row: only the runs that read it fail, as without the whole table
+                table = None
+            self._whole = table if table is not None else False
+            return table
+        return self._whole  # type: ignore[return-value]
+
+    def _table(self, idx: np.ndarray, blocks: BlockCache | None) -> Columns | None:
+        """The table of rows ``idx`` (sorted, not empty), block by block (see ``columns``)."""
+        assert self._cow is not None and self._mmap is not None
         blk = np.searchsorted(self._first, idx, side="right") - 1
         starts = np.flatnonzero(np.diff(blk, prepend=-1))
         ublocks = blk[starts]

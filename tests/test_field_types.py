@@ -20,7 +20,7 @@ from datacache import NodeCache, StreamingDataset, write_dataset
 from datacache.pytorch.batches import PackedBytes, RingCollator
 from datacache.pytorch.collate import collate
 from datacache.readers.columns import Columns
-from datacache.readers.zstd import BlockCache, ZstdShardReader, ZstdShardWriter
+from datacache.readers.zstd import RAW_BLOCK, BlockCache, ZstdShardReader, ZstdShardWriter
 from tools.bench_quality import batch_quality
 
 N = 600
@@ -341,6 +341,31 @@ def test_a_raw_block_a_live_view_wrote_is_read_as_in_the_file(tmp_path: Any) -> 
     assert table is not None
     assert all(np.array_equal(table.sample(k)["x"], samples[k]["x"]) for k in range(8))
     assert not view.any()
+
+
+def test_a_raw_shard_s_runs_are_rows_of_its_whole_table(tmp_path: Any) -> None:
+    """Where every block is raw, the reader makes every row's table once and a run takes its rows
+    from it; a region handed out and written meanwhile still reads as in the file."""
+    rng = np.random.default_rng(7)
+    samples = [{"x": rng.integers(0, 255, (64, 8), dtype=np.uint8), "b": rng.bytes(int(rng.integers(0, 300))),
+                "i": i} for i in range(40)]
+    r = ZstdShardReader(_shard(tmp_path, samples, {"x": "ndarray", "b": "bytes", "i": "int"}, 1 << 12))
+    assert ((r._blocks[:, 0] & np.uint64(RAW_BLOCK)) != 0).all(), "the fixture's blocks should be raw"
+    for lo, hi, rows in ((5, 30, None), (0, 40, np.array([0, 9, 9, 21, 39])), (0, 40, None)):
+        table = r.columns(lo, hi, rows)
+        assert isinstance(table, Columns) and isinstance(r._whole, Columns)
+        want = range(lo, hi) if rows is None else rows.tolist()
+        for k, i in enumerate(want):
+            _same(table.sample(k), samples[i], f"row {i}")
+    view = r.get(3)["x"]
+    view[:] = 0
+    table = r.columns(0, 40)
+    assert table is not None
+    for k in range(40):
+        _same(table.sample(k), samples[k], f"row {k} after a view of row 3 was written")
+    del view
+    r.close()
+    assert r._whole is None
 
 
 @pytest.mark.parametrize("values, bad", [
