@@ -206,6 +206,7 @@ class ZstdShardReader(_BaseReader):
         self._cached: tuple[int, memoryview] = (-1, memoryview(b""))
         self._layouts: RowLayouts | None = None  # the rows ``columns`` parsed
         self._whole: Columns | bool | None = None  # every row's table where all blocks are raw (_whole_table)
+        self._read_before = False  # whether columns() was called before: the reader is one kept across runs
         self._ensure_open()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -416,12 +417,16 @@ class ZstdShardReader(_BaseReader):
         return self._table(idx, blocks)
 
     def _whole_table(self, n: int) -> Columns | None:
-        """Every row's table, made once and kept while the mapping is open, where every block is raw
-        (each row's bytes are then at a fixed address of the mapping) and no region handed out may
-        have been written (``CowMap.clean``): a warm epoch's runs are then rows taken from it, with
-        no parse and no per-block work. None where that does not hold (then read as asked)."""
+        """Every row's table, made at the reader's second call (a reader kept across runs and epochs)
+        and kept while the mapping is open, where every block is raw (each row's bytes are then at a
+        fixed address of the mapping) and no region handed out may have been written
+        (``CowMap.clean``): a warm epoch's runs are then rows taken from it, with no parse and no
+        per-block work. None where that does not hold (then read as asked)."""
         assert self._cow is not None
         if self._whole is False or not self._cow.clean():
+            return None
+        if self._whole is None and not self._read_before:  # a reader read once (a partial copy's) makes none
+            self._read_before = True
             return None
         if self._whole is None:
             raw = (self._blocks[:, 0] & np.uint64(RAW_BLOCK)) != 0
