@@ -65,7 +65,7 @@ from .collate import Layout, PackedBytes, assemble, collate, layout_end, plan, v
 from .rounds import WorkerBatches
 
 __all__ = ["RING_SLOTS", "BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "PackedBytes", "batched", "collate",
-           "sharing", "shm_available", "to_shared_memory"]
+           "sharing", "shm_available", "tensors", "to_shared_memory"]
 
 _PAGE = mmap.PAGESIZE
 _FREE, _IN_USE = 0, 1  # slot states: one byte per slot in the ring's header page
@@ -212,16 +212,22 @@ def to_shared_memory(batch: Any) -> Any:
     leaves the training process waiting for ever. Ring batches (``ShmTensor``) and tensors already
     shared (``default_collate``'s in a worker) cost a type check each. Thread-safe for distinct
     batches."""
+    for t in tensors(batch):
+        if t.layout == torch.strided and t.device.type == "cpu" and not t.is_shared():
+            _share(t)
+    return batch
+
+
+def tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``batch``, through mappings, lists and tuples (as default_collate nests them)."""
     if isinstance(batch, torch.Tensor):
-        if batch.layout == torch.strided and batch.device.type == "cpu" and not batch.is_shared():
-            _share(batch)
+        yield batch
     elif isinstance(batch, Mapping):
         for value in batch.values():
-            to_shared_memory(value)
+            yield from tensors(value)
     elif isinstance(batch, (list, tuple)):
         for value in batch:
-            to_shared_memory(value)
-    return batch
+            yield from tensors(value)
 
 
 def sharing(collate_fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import collections
 import pickle
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 import torch
+
+from .batches import tensors
 
 __all__ = ["BUNDLE", "Bundle", "Deferred", "Unbundler", "bundled", "ring_slots"]
 
@@ -87,20 +89,12 @@ class Deferred:
     @staticmethod
     def of(batch: Any) -> Any:
         """``batch`` deferred where it holds no tensor, else itself."""
-        return batch if _has_tensor(batch) else Deferred(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
+        if next(tensors(batch), None) is not None:
+            return batch
+        return Deferred(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
 
     def load(self) -> Any:
         return pickle.loads(self.data)
-
-
-def _has_tensor(batch: Any) -> bool:
-    if isinstance(batch, torch.Tensor):
-        return True
-    if isinstance(batch, Mapping):
-        return any(_has_tensor(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return any(_has_tensor(v) for v in batch)
-    return False
 
 
 def ring_slots(prefetch_factor: int | None, base: int, size: int = BUNDLE) -> int:

@@ -504,7 +504,8 @@ class StreamingDataset(tud.IterableDataset):
             return
         # Batched mode (datacache.pytorch.batches). The default collation writes batches into a reusable
         # ring (shared with the main process when this is a DataLoader worker): datacache.pytorch.batches.
-        worker = tud.get_worker_info() is not None
+        info = tud.get_worker_info()
+        worker = info is not None
         collate_fn = self._ring(shared=worker) if self.collate_fn is collate else self.collate_fn
         gather = Gatherer(collate_fn) if consumer.columnar else None
         if worker:  # what the ring did not take goes into shared memory here, where a failure is raised
@@ -518,7 +519,6 @@ class StreamingDataset(tud.IterableDataset):
             batches = gathered(consumer, plan_batches, sharing(gather) if worker else gather, mark)
         else:
             batches = batched(consumer, plan_batches, collate_fn, transform, mark)
-        info = tud.get_worker_info()
         try:
             bundles = info is not None and self._bundle
             for item in bundled(batches, info.id, self._bundle, defer=not self._pin) if bundles else batches:
