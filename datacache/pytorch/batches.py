@@ -49,7 +49,7 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,11 +61,11 @@ from .._localfs import remove_if_exists as _unlink
 from ..errors import CacheError
 from ..read.batcher import batches as run_batches
 from ..read.consumer import Consumer
-from .collate import Layout, PackedBytes, assemble, collate, layout_end, plan, values
+from .collate import Layout, PackedBytes, assemble, collate, layout_end, plan, tensors, values
 from .rounds import WorkerBatches
 
 __all__ = ["RING_SLOTS", "BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "PackedBytes", "batched", "collate",
-           "sharing", "shm_available", "tensors", "to_shared_memory"]
+           "sharing", "shm_available", "to_shared_memory"]
 
 _PAGE = mmap.PAGESIZE
 _FREE, _IN_USE = 0, 1  # slot states: one byte per slot in the ring's header page
@@ -216,18 +216,6 @@ def to_shared_memory(batch: Any) -> Any:
         if t.layout == torch.strided and t.device.type == "cpu" and not t.is_shared():
             _share(t)
     return batch
-
-
-def tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``batch``, through mappings, lists and tuples (as default_collate nests them)."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from tensors(value)
 
 
 def sharing(collate_fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .batches import tensors
+from .collate import tensors
 
 __all__ = ["BUNDLE", "Bundle", "Deferred", "Unbundler", "bundled", "ring_slots"]
 

@@ -39,7 +39,8 @@ from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate as _walk
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-__all__ = ["Field", "Layout", "BatchPlan", "PackedBytes", "plan", "assemble", "collate", "values", "layout_end"]
+__all__ = ["Field", "Layout", "BatchPlan", "PackedBytes", "plan", "assemble", "collate", "values", "layout_end",
+           "tensors"]
 
 _ALIGN = 64
 _ROW_ALIGN = 16  # a variable array's values start at multiples of this
@@ -460,3 +461,15 @@ def collate(samples: Sequence[Any], ring: BatchRing | None = None) -> Any:
     """Collate ``samples`` as ``default_collate`` does (see the module docstring), the columns
     into ``ring`` when given."""
     return assemble(samples, plan(samples), ring)
+
+
+def tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``batch``, through mappings, lists and tuples (as default_collate nests them)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from tensors(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from tensors(value)
