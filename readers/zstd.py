@@ -423,10 +423,10 @@ class ZstdShardReader(_BaseReader):
         (``CowMap.clean``): a warm epoch's runs are then rows taken from it, with no parse and no
         per-block work. None where that does not hold (then read as asked)."""
         assert self._cow is not None
-        if self._whole is None and not self._read_before:  # a reader read once (a partial copy's) makes none
-            self._read_before = True  # a call while a view is alive counts too: else a reader
-            return None  # kept across epochs whose last samples live on made it an epoch late
         if self._whole is False or not self._cow.clean():
+            return None
+        if self._whole is None and not self._read_before:  # a reader read once (a partial copy's) makes none
+            self._read_before = True
             return None
         if self._whole is None:
             raw = (self._blocks[:, 0] & np.uint64(RAW_BLOCK)) != 0
