@@ -153,12 +153,14 @@ def test_transient_503_is_retried(s3_server: Any, s3_store_url: str, slowlink: A
     assert stats["congestion"]["throttled"] == stats["retries"] and stats["congestion"]["throttle_seconds"] > 0
 
 
+@pytest.mark.parametrize("presigned", [False, True], ids=["s3fs", "presigned"])
 def test_connection_reset_mid_body_is_retried(s3_server: Any, s3_store_url: str, slowlink: Any,
-                                              tmp_path: Any) -> None:
+                                              tmp_path: Any, presigned: bool) -> None:
     data = os.urandom(6 * PART)
     open_store(s3_store_url, s3_server.storage_options()).write_bytes("o.bin", data)
     link = slowlink(reset_every=2)
-    with open_store(s3_store_url, s3_server.storage_options(link.endpoint_url), transfer=TRANSFER,
+    transfer = TransferConfig(part_bytes=PART, concurrency=4, timeout=10, presigned=presigned)
+    with open_store(s3_store_url, s3_server.storage_options(link.endpoint_url), transfer=transfer,
                     retry=FAST_RETRY) as store:
         target = tmp_path / "o.tmp"
         target.write_bytes(b"")

@@ -65,6 +65,8 @@ from ..config import RetryConfig, TransferConfig
 from ..errors import IntegrityError, NotFoundError, StorageError
 from ..manifest import MANIFEST_NAME
 from .congestion import Congestion
+from .presigned import PresignedRanges
+from .presigned import usable as presigned_usable
 from .retry import ShortReadError, answered, error_code, retry_call, secret_values
 from .retry import check_name as _check_name
 from .transfer import (
@@ -165,6 +167,7 @@ class Store:
         self._range_requests = PrioritySlots(self.transfer.range_requests)
         self._pid = os.getpid()
         self._fs: Any = None
+        self._presigned: PresignedRanges | None = None
         self._root = ""
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
@@ -181,7 +184,7 @@ class Store:
         self._pid = os.getpid()
         if self._fs is not None:
             abandon_inherited(self._fs)
-        self._fs, self._pool = None, None
+        self._fs, self._pool, self._presigned = None, None, None
         self._stats = {"requests": 0, "retries": 0, "bytes_read": 0, "bytes_written": 0, "errors": {}}
 
     def _session(self) -> dict[str, Any]:
@@ -245,6 +248,12 @@ class Store:
                         "package (s3fs, gcsfs, adlfs) must be installed") from exc
                 if self.protocol in S3:
                     fs.retries = 1  # one attempt per s3fs call (not an __init__ option): RetryConfig rules
+                    if self.transfer.presigned and presigned_usable(self._options):
+                        self._presigned = PresignedRanges(
+                            lambda path, seconds, fs=fs: fs.sign(path, expiration=seconds),
+                            connect_timeout=min(self.transfer.timeout, 10.0), read_timeout=self.transfer.timeout,
+                            pool_size=self._pool_size,
+                            verify=(self._options.get("client_kwargs") or {}).get("verify"))
                 self._root = fs._strip_protocol(self.url).rstrip("/") + "/"
                 self._fs = fs
             if self._pool is None:
@@ -446,7 +455,9 @@ class Store:
 
         def get(fs: Any, path: str) -> bytes:
             try:
-                data = cat_range(fs, path, start, end + extra, cancelled, self.url_of(name))
+                data = self._presigned.get(path, start, end + extra, cancelled) if self._presigned else None
+                if data is None:  # not asked by presigned URL, or an answer left to s3fs
+                    data = cat_range(fs, path, start, end + extra, cancelled, self.url_of(name))
             except Exception as exc:
                 if error_code(exc) != "InvalidRange":
                     raise

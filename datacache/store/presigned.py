@@ -1,0 +1,273 @@
+"""Ranged GETs of S3 objects over presigned URLs, read with urllib3 straight into one buffer.
+
+Through s3fs a ranged GET costs the fetching process about 1.5 ms of CPU before its first byte
+(botocore's request building, signing, events and response parsing) and, on fsspec's event loop,
+a coroutine wake-up for every chunk the socket delivers. ``PresignedRanges`` signs each object's
+URL once (``sign(path, seconds)``: s3fs's ``S3FileSystem.sign``, the same credentials, endpoint and
+addressing) and reads every range of it with a plain HTTP GET and a ``Range`` header on a urllib3
+pool, the body read with ``readinto`` in the calling thread. Opt-in: ``TransferConfig.presigned``.
+
+What it answers itself: ``206`` (the bytes), ``416`` (an error whose S3 code is ``InvalidRange``,
+as s3fs raises it), ``429``/``5xx`` (an error carrying the status and the S3 code of the body, so
+the retry policy sees a throttling or transient answer as it does through s3fs), and transport
+failures (``ConnectionError`` or ``TimeoutError`` from the urllib3 error: transient). Anything else
+(``403``: a URL whose credentials expired; ``404``, redirects, a ``200`` that ignored the range)
+returns None after dropping the URL: the caller makes that request through s3fs, which re-signs
+and raises its precise error. So the errors a caller sees are s3fs's, or the same kinds.
+
+Cancellation: a watcher thread (``datacache-presigned-cancel``) looks at every GET in flight every
+``POLL`` seconds and shuts the socket of one whose ``cancelled()`` is true (urllib3's
+``HTTPResponse.shutdown``), so the reading thread's blocked ``readinto`` returns at once and the
+GET raises ``ReadCancelledError``. Thread-safe; fork-safe (a forked child makes its own pool and
+watcher on first use; the URLs are kept: they are plain strings).
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import urllib3
+from urllib3.exceptions import HTTPError as Urllib3Error
+
+from ..errors import ReadCancelledError
+
+__all__ = ["PresignedRanges", "RangeAnswerError", "POLL", "usable"]
+
+POLL = 0.05  # seconds between the watcher's looks at the cancel flags
+EXPIRES = 3600  # a URL's validity, in seconds
+REUSE = EXPIRES / 2  # a URL is signed again after this many seconds
+_PIECE = 1 << 20  # bytes read per readinto call
+_CODE = re.compile(rb"<Code>([A-Za-z0-9]{1,64})</Code>")
+
+
+class RangeAnswerError(Exception):
+    """An S3 error answer to a presigned ranged GET; ``response`` as botocore's ClientError has it
+    (``datacache.store.retry`` classifies it by code and status)."""
+
+    def __init__(self, status: int, code: str, url: str) -> None:
+        super().__init__(f"HTTP {status} {code or ''}".rstrip() + f" for a ranged GET of {url}")
+        self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+class _Watcher:
+    """The GETs in flight of this process (with a cancel flag) and the thread that shuts the
+    cancelled ones' sockets; the thread sleeps on a condition while none is in flight."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.cond = threading.Condition()
+        self.inflight: dict[int, tuple[Any, Callable[[], bool]]] = {}
+        self.tickets = 0
+        self.thread: threading.Thread | None = None
+
+    def add(self, resp: Any, cancelled: Callable[[], bool]) -> int:
+        with self.cond:
+            self.tickets += 1
+            self.inflight[self.tickets] = (resp, cancelled)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="datacache-presigned-cancel", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+            return self.tickets
+
+    def remove(self, ticket: int) -> None:
+        with self.cond:
+            self.inflight.pop(ticket, None)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.inflight:
+                    self.cond.wait()
+                watched = list(self.inflight.values())
+            for resp, cancelled in watched:
+                try:
+                    if cancelled():
+                        resp.shutdown()
+                except Exception:  # noqa: BLE001 - released meanwhile, or a failing flag: the GET ends anyway
+                    pass
+            time.sleep(POLL)
+
+
+_watcher: _Watcher | None = None
+_watcher_lock = threading.Lock()
+
+
+def _watching() -> _Watcher:
+    global _watcher
+    with _watcher_lock:
+        if _watcher is None or _watcher.pid != os.getpid():
+            _watcher = _Watcher()
+        return _watcher
+
+
+def _after_fork_in_child() -> None:
+    global _watcher_lock
+    _watcher_lock = threading.Lock()  # another thread of the parent may have held it
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class PresignedRanges:
+    """Ranged GETs by presigned URL (see the module docstring). ``sign(path, seconds)``: a URL for
+    a GET of ``path`` valid that long; ``connect_timeout``, ``read_timeout``: per connection and
+    per read, in seconds; ``pool_size``: connections kept per host. Thread-safe."""
+
+    def __init__(self, sign: Callable[[str, int], str], *, connect_timeout: float, read_timeout: float,
+                 pool_size: int, verify: bool | str | None = None) -> None:
+        self._sign = sign
+        self._timeout = urllib3.Timeout(connect=connect_timeout, read=read_timeout)
+        self._pool_size = pool_size
+        self._tls = _tls(verify)
+        self._urls: dict[str, tuple[str, float]] = {}
+        self._lock = threading.Lock()
+        self._pool: tuple[int, urllib3.PoolManager] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_lock=None, _pool=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _manager(self) -> urllib3.PoolManager:
+        with self._lock:
+            if self._pool is None or self._pool[0] != os.getpid():  # a forked child: its own sockets
+                self._pool = (os.getpid(), urllib3.PoolManager(maxsize=self._pool_size, block=False, retries=False,
+                                                               timeout=self._timeout, **self._tls))
+            return self._pool[1]
+
+    def _url(self, path: str) -> str:
+        now = time.monotonic()
+        with self._lock:
+            got = self._urls.get(path)
+        if got is not None and now - got[1] < REUSE:
+            return got[0]
+        url = self._sign(path, EXPIRES)  # no lock held: signing may wait on the filesystem's loop
+        with self._lock:
+            self._urls[path] = (url, now)
+        return url
+
+    def forget(self, path: str) -> None:
+        """Sign ``path``'s URL again on its next GET."""
+        with self._lock:
+            self._urls.pop(path, None)
+
+    def get(self, path: str, start: int, end: int, cancelled: Callable[[], bool] | None = None) -> bytes | None:
+        """Bytes ``[start, end)`` of object ``path`` (fewer where the object ends first), or None
+        where the answer is left to s3fs (see the module docstring)."""
+        if cancelled is not None and cancelled():
+            raise ReadCancelledError("read: cancelled by its caller", url=path)
+        url = self._url(path)
+        try:
+            resp = self._manager().request("GET", url, headers={"Range": f"bytes={start}-{end - 1}"},
+                                           preload_content=False, redirect=False)
+        except Urllib3Error as exc:
+            raise _transport(exc, path) from None  # its text holds the signed URL
+        whole = False  # the answer read to its end: the connection can serve the next GET
+        try:
+            if resp.status != 206:
+                whole = self._refused(resp, path)
+                return None
+            data = self._body(resp, path, end - start, cancelled)
+            whole = data is not None
+            return data
+        finally:
+            if not whole:
+                resp.close()
+            resp.release_conn()
+
+    def _refused(self, resp: Any, path: str) -> bool:
+        """Raise the answers the retry policy needs to see; else forget the URL (None to the
+        caller: s3fs asks). Whether the answer was read to its end."""
+        status = resp.status
+        if status == 416 or status == 429 or status >= 500:
+            found = _CODE.search(resp.read(4096, decode_content=False) or b"")
+            code = found.group(1).decode() if found else ("InvalidRange" if status == 416 else "")
+            raise RangeAnswerError(status, code, path)
+        self.forget(path)
+        return False
+
+    def _body(self, resp: Any, path: str, want: int, cancelled: Callable[[], bool] | None) -> bytes | None:
+        length = resp.headers.get("Content-Length")
+        size = int(length) if length is not None and length.isdigit() else -1
+        if not 0 <= size <= want:  # not the range asked for: s3fs asks
+            self.forget(path)
+            return None
+        buf = bytearray(size)
+        view = memoryview(buf)
+        watcher = _watching() if cancelled is not None else None
+        ticket = watcher.add(resp, cancelled) if watcher is not None and cancelled is not None else 0
+        got = 0
+        try:
+            while got < size:
+                n = resp.readinto(view[got:got + _PIECE])
+                if not n:
+                    break
+                got += n
+        except (Urllib3Error, OSError) as exc:
+            if cancelled is not None and cancelled():
+                raise ReadCancelledError("read: cancelled by its caller", url=path) from None
+            raise _transport(exc, path) from None
+        finally:
+            if watcher is not None:
+                watcher.remove(ticket)
+        if got < size:
+            if cancelled is not None and cancelled():
+                raise ReadCancelledError("read: cancelled by its caller", url=path)
+            raise ConnectionResetError(f"the connection ended after {got} of {size} bytes of a ranged GET of {path}")
+        return bytes(buf)
+
+
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def usable(options: dict[str, Any]) -> bool:
+    """Whether presigned GETs reach the store as s3fs's do with these storage options: not
+    through a proxy (an environment proxy or botocore's ``proxies``, which this path does not
+    use), nor with client certificates."""
+    config = options.get("config_kwargs") or {}
+    return not (any(os.environ.get(v) for v in _PROXY_VARS) or config.get("proxies") or config.get("client_cert"))
+
+
+def _tls(verify: bool | str | None) -> dict[str, Any]:
+    """urllib3's certificate settings for botocore's ``verify``: False (no check), a CA bundle's
+    path, or None (``AWS_CA_BUNDLE``, else botocore's bundle, as botocore does)."""
+    if verify is False:
+        return {"cert_reqs": "CERT_NONE"}
+    bundle = verify if isinstance(verify, str) else os.environ.get("AWS_CA_BUNDLE")
+    if not bundle:
+        try:
+            from botocore.httpsession import get_cert_path
+
+            bundle = get_cert_path(True)
+        except Exception:  # noqa: BLE001 - the system's store then
+            bundle = None
+    return {"cert_reqs": "CERT_REQUIRED", "ca_certs": bundle} if bundle else {}
+
+
+def _transport(exc: BaseException, path: str) -> Exception:
+    """A urllib3 transport failure as the builtin the retry policy classifies (refused, unresolved,
+    timed out: transient), its text without the signed URL."""
+    text = f"{type(exc).__name__} on a ranged GET of {path}"
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and len(chain) < 16 and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__ or getattr(cur, "reason", None)
+    for e in chain:
+        if isinstance(e, socket.gaierror):
+            return socket.gaierror(e.errno, text)
+        if isinstance(e, ConnectionRefusedError):
+            return ConnectionRefusedError(text)
+    if any(isinstance(e, (urllib3.exceptions.TimeoutError, TimeoutError)) for e in chain):
+        return TimeoutError(text)
+    return ConnectionError(text)

@@ -1,0 +1,130 @@
+"""Ranged GETs by presigned URL (``TransferConfig(presigned=True)``, ``datacache.store.presigned``)
+against the real S3 server, through the slow-link emulator where a fault is injected: the same
+bytes and the same errors as through s3fs, retries where s3fs's path retries, cancellation of a
+GET in flight, and no signed URL in any message. (A connection reset mid-body: ``test_storage``.)"""
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from typing import Any
+
+import pytest
+
+from datacache.config import RetryConfig, TransferConfig
+from datacache.errors import NotFoundError, PermissionDeniedError, ReadCancelledError
+from datacache.store.storage import open_store
+
+PART = 16 * 1024
+TRANSFER = TransferConfig(part_bytes=PART, concurrency=4, timeout=10, presigned=True)
+FAST_RETRY = RetryConfig(attempts=8, base_delay=0.01, max_delay=0.05, deadline=20)
+
+
+@pytest.fixture
+def url(s3_server: Any) -> str:
+    return f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/"
+
+
+def _put(s3_server: Any, url: str, name: str, data: bytes) -> None:
+    with open_store(url, s3_server.storage_options()) as store:
+        store.write_bytes(name, data)
+
+
+def test_ranges_and_whole_objects_come_by_presigned_url(s3_server: Any, url: str, tmp_path: Any) -> None:
+    data = os.urandom(3 * PART + 123)
+    _put(s3_server, url, "o.bin", data)
+    with open_store(url, s3_server.storage_options(), transfer=TRANSFER, retry=FAST_RETRY) as store:
+        assert store.read_range("o.bin", 0, 10) == data[:10]
+        assert store.read_range("o.bin", PART - 5, 2 * PART + 7) == data[PART - 5:2 * PART + 7]
+        assert store.read_bytes("o.bin", size=len(data)) == data
+        target = tmp_path / "o.tmp"
+        target.write_bytes(b"")
+        assert store.read_into("o.bin", str(target), size=len(data)) == len(data)
+        assert target.read_bytes() == data
+        fast = store._presigned
+        assert fast is not None and list(fast._urls) == [store._root + "o.bin"], "signed once, by path"
+
+
+def test_a_grown_or_shrunk_object_is_an_integrity_error_as_through_s3fs(s3_server: Any, url: str) -> None:
+    from datacache.errors import IntegrityError
+
+    data = os.urandom(2 * PART)
+    _put(s3_server, url, "o.bin", data)
+    with open_store(url, s3_server.storage_options(), transfer=TRANSFER, retry=FAST_RETRY) as store:
+        with pytest.raises(IntegrityError, match="larger than the expected"):
+            store.read_bytes("o.bin", size=len(data) - 1)
+        with pytest.raises(IntegrityError, match="expected at least"):
+            store.read_bytes("o.bin", size=len(data) + PART)  # a range past the end: 416, as s3fs sees it
+
+
+def test_missing_objects_and_wrong_keys_raise_s3fs_s_errors_without_the_signature(s3_server: Any, url: str) -> None:
+    with open_store(url, s3_server.storage_options(), transfer=TRANSFER, retry=FAST_RETRY) as store:
+        with pytest.raises(NotFoundError) as info:
+            store.read_range("nope.bin", 0, 4)
+        assert store.url_of("nope.bin") in str(info.value)
+    _put(s3_server, url, "x.bin", b"hello")
+    opts = {"key": "AKIAWRONGKEY12345", "secret": "SuperSecret-Do-Not-Leak-4f1c9e",
+            "client_kwargs": {"endpoint_url": s3_server.endpoint_url, "region_name": "us-east-1"}}
+    with open_store(url, opts, transfer=TRANSFER, retry=FAST_RETRY) as store:
+        with pytest.raises(PermissionDeniedError) as denied:
+            store.read_range("x.bin", 0, 5)
+        text = str(denied.value)
+        assert "X-Amz-Signature" not in text and "AKIAWRONGKEY12345" not in text
+        assert store.stats()["retries"] == 0
+
+
+def test_throttling_answers_are_retried_and_counted_as_throttling(s3_server: Any, url: str, slowlink: Any) -> None:
+    data = os.urandom(5 * PART + 11)
+    _put(s3_server, url, "o.bin", data)
+    link = slowlink(fail_every=3)
+    with open_store(url, s3_server.storage_options(link.endpoint_url), transfer=TRANSFER, retry=FAST_RETRY) as store:
+        assert store.read_bytes("o.bin", size=len(data)) == data
+        stats = store.stats()
+    assert link.injected >= 1 and stats["retries"] >= 1
+    assert stats["errors"].get("ThrottledError", 0) == stats["retries"]  # 503 SlowDown, not a fallback
+    assert link.gets == stats["requests"], "every attempt one GET: a throttled answer is not asked again via s3fs"
+
+
+@pytest.mark.timeout(60)
+def test_a_get_in_flight_is_abandoned_once_cancelled(s3_server: Any, url: str, slowlink: Any) -> None:
+    data = os.urandom(4 << 20)
+    _put(s3_server, url, "big.bin", data)
+    link = slowlink(bandwidth=256 << 10)  # 16 s for the object: cancelled long before
+    flag = threading.Event()
+
+    def cancel_once_bytes_flow() -> None:
+        while link.bytes_down < 64 << 10 and not flag.is_set():
+            link_wait.wait(0.01)
+        flag.set()
+
+    link_wait = threading.Event()
+    with open_store(url, s3_server.storage_options(link.endpoint_url), transfer=TRANSFER, retry=FAST_RETRY) as store:
+        t = threading.Thread(target=cancel_once_bytes_flow)
+        t.start()
+        with pytest.raises(ReadCancelledError):
+            store.read_range("big.bin", 0, len(data), cancelled=flag.is_set)
+        t.join()
+    assert link.bytes_down < len(data)
+
+
+def test_a_forked_child_reads_through_its_own_pool(s3_server: Any, url: str) -> None:
+    from tests.helpers.cache_worker import in_child
+
+    data = os.urandom(2 * PART + 5)
+    _put(s3_server, url, "o.bin", data)
+    with open_store(url, s3_server.storage_options(), transfer=TRANSFER, retry=FAST_RETRY) as store:
+        assert store.read_range("o.bin", 0, 10) == data[:10]  # the parent's pool and URL made
+        assert in_child(lambda: store.read_bytes("o.bin", size=len(data)) == data)
+        assert store.read_range("o.bin", 5, 20) == data[5:20]
+
+
+def test_a_proxy_or_client_certificate_leaves_ranged_gets_to_s3fs(s3_server: Any, url: str, monkeypatch: Any) -> None:
+    from datacache.store.presigned import usable
+
+    assert usable({}) and usable({"config_kwargs": {"retries": {}}})
+    assert not usable({"config_kwargs": {"proxies": {"https": "http://proxy:3128"}}})
+    assert not usable({"config_kwargs": {"client_cert": "/etc/cert.pem"}})
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    with open_store(url, s3_server.storage_options(), transfer=TRANSFER, retry=FAST_RETRY) as store:
+        store._ensure()
+        assert store._presigned is None
