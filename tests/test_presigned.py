@@ -5,7 +5,6 @@ GET in flight, and no signed URL in any message. (A connection reset mid-body: `
 from __future__ import annotations
 
 import os
-import threading
 import uuid
 from typing import Any
 
@@ -86,25 +85,22 @@ def test_throttling_answers_are_retried_and_counted_as_throttling(s3_server: Any
 
 
 @pytest.mark.timeout(60)
-def test_a_get_in_flight_is_abandoned_once_cancelled(s3_server: Any, url: str, slowlink: Any) -> None:
+def test_a_get_in_flight_is_abandoned_once_cancelled_and_close_ends_the_watcher(s3_server: Any, url: str,
+                                                                                 slowlink: Any) -> None:
     data = os.urandom(4 << 20)
     _put(s3_server, url, "big.bin", data)
     link = slowlink(bandwidth=256 << 10)  # 16 s for the object: cancelled long before
-    flag = threading.Event()
 
-    def cancel_once_bytes_flow() -> None:
-        while link.bytes_down < 64 << 10 and not flag.is_set():
-            link_wait.wait(0.01)
-        flag.set()
+    def cancelled() -> bool:  # once its first 64 KiB have crossed the link: the GET is in flight
+        return link.bytes_down >= 64 << 10
 
-    link_wait = threading.Event()
     with open_store(url, s3_server.storage_options(link.endpoint_url), transfer=TRANSFER, retry=FAST_RETRY) as store:
-        t = threading.Thread(target=cancel_once_bytes_flow)
-        t.start()
         with pytest.raises(ReadCancelledError):
-            store.read_range("big.bin", 0, len(data), cancelled=flag.is_set)
-        t.join()
+            store.read_range("big.bin", 0, len(data), cancelled=cancelled)
+        watcher = store._presigned._pool[2].thread
     assert link.bytes_down < len(data)
+    watcher.join(30)
+    assert not watcher.is_alive() and watcher.name == "datacache-presigned-cancel"
 
 
 def test_a_forked_child_reads_through_its_own_pool(s3_server: Any, url: str) -> None:

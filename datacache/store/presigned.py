@@ -49,8 +49,8 @@ class RangeAnswerError(Exception):
     """An S3 error answer to a presigned ranged GET; ``response`` as botocore's ClientError has it
     (``datacache.store.retry`` classifies it by code and status)."""
 
-    def __init__(self, status: int, code: str, url: str) -> None:
-        super().__init__(f"HTTP {status} {code or ''}".rstrip() + f" for a ranged GET of {url}")
+    def __init__(self, status: int, code: str, path: str) -> None:
+        super().__init__(f"HTTP {status} {code or ''}".rstrip() + f" for a ranged GET of {path}")
         self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
 
 
@@ -59,11 +59,11 @@ class _Watcher:
     cancelled ones' sockets; the thread sleeps on a condition while none is in flight."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
         self.cond = threading.Condition()
         self.inflight: dict[int, tuple[Any, Callable[[], bool]]] = {}
         self.tickets = 0
         self.thread: threading.Thread | None = None
+        self.closed = False
 
     def add(self, resp: Any, cancelled: Callable[[], bool]) -> int:
         with self.cond:
@@ -79,11 +79,19 @@ class _Watcher:
         with self.cond:
             self.inflight.pop(ticket, None)
 
+    def close(self) -> None:
+        """End the thread (at its next look; GETs in flight finish on their own). Idempotent."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+
     def _run(self) -> None:
         while True:
             with self.cond:
-                while not self.inflight:
+                while not self.inflight and not self.closed:
                     self.cond.wait()
+                if self.closed:
+                    return
                 watched = list(self.inflight.values())
             for resp, cancelled in watched:
                 try:
@@ -91,27 +99,8 @@ class _Watcher:
                         resp.shutdown()
                 except Exception:  # noqa: BLE001 - released meanwhile, or a failing flag: the GET ends anyway
                     pass
-            time.sleep(POLL)
-
-
-_watcher: _Watcher | None = None
-_watcher_lock = threading.Lock()
-
-
-def _watching() -> _Watcher:
-    global _watcher
-    with _watcher_lock:
-        if _watcher is None or _watcher.pid != os.getpid():
-            _watcher = _Watcher()
-        return _watcher
-
-
-def _after_fork_in_child() -> None:
-    global _watcher_lock
-    _watcher_lock = threading.Lock()  # another thread of the parent may have held it
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+            with self.cond:
+                self.cond.wait(POLL)  # a cancel flag is a function: looked at every POLL seconds
 
 
 class PresignedRanges:
@@ -127,7 +116,7 @@ class PresignedRanges:
         self._tls = _tls(verify)
         self._urls: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
-        self._pool: tuple[int, urllib3.PoolManager] | None = None
+        self._pool: tuple[int, urllib3.PoolManager, _Watcher] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -138,12 +127,14 @@ class PresignedRanges:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def _manager(self) -> urllib3.PoolManager:
+    def _process(self) -> tuple[int, urllib3.PoolManager, _Watcher]:
+        """This process's pool and watcher (a forked child makes its own: its own sockets, and the
+        parent's watcher thread does not exist there)."""
         with self._lock:
-            if self._pool is None or self._pool[0] != os.getpid():  # a forked child: its own sockets
+            if self._pool is None or self._pool[0] != os.getpid():
                 self._pool = (os.getpid(), urllib3.PoolManager(maxsize=self._pool_size, block=False, retries=False,
-                                                               timeout=self._timeout, **self._tls))
-            return self._pool[1]
+                                                               timeout=self._timeout, **self._tls), _Watcher())
+            return self._pool
 
     def _url(self, path: str) -> str:
         now = time.monotonic()
@@ -156,6 +147,15 @@ class PresignedRanges:
             self._urls[path] = (url, now)
         return url
 
+    def close(self) -> None:
+        """Stop this process's watcher thread and drop its pool's connections. Idempotent; never
+        waits for a GET in flight."""
+        with self._lock:
+            mine, self._pool = self._pool, None
+        if mine is not None and mine[0] == os.getpid():
+            mine[2].close()
+            mine[1].clear()
+
     def forget(self, path: str) -> None:
         """Sign ``path``'s URL again on its next GET."""
         with self._lock:
@@ -167,17 +167,18 @@ class PresignedRanges:
         if cancelled is not None and cancelled():
             raise ReadCancelledError("read: cancelled by its caller", url=path)
         url = self._url(path)
+        _, manager, watcher = self._process()
         try:
-            resp = self._manager().request("GET", url, headers={"Range": f"bytes={start}-{end - 1}"},
+            resp = manager.request("GET", url, headers={"Range": f"bytes={start}-{end - 1}"},
                                            preload_content=False, redirect=False)
         except Urllib3Error as exc:
             raise _transport(exc, path) from None  # its text holds the signed URL
         whole = False  # the answer read to its end: the connection can serve the next GET
         try:
             if resp.status != 206:
-                whole = self._refused(resp, path)
+                self._refused(resp, path)
                 return None
-            data = self._body(resp, path, end - start, cancelled)
+            data = self._body(resp, path, end - start, cancelled, watcher)
             whole = data is not None
             return data
         finally:
@@ -185,18 +186,18 @@ class PresignedRanges:
                 resp.close()
             resp.release_conn()
 
-    def _refused(self, resp: Any, path: str) -> bool:
-        """Raise the answers the retry policy needs to see; else forget the URL (None to the
-        caller: s3fs asks). Whether the answer was read to its end."""
+    def _refused(self, resp: Any, path: str) -> None:
+        """Raise the answers the retry policy needs to see; else forget the URL (the caller gets
+        None: s3fs asks)."""
         status = resp.status
         if status == 416 or status == 429 or status >= 500:
             found = _CODE.search(resp.read(4096, decode_content=False) or b"")
             code = found.group(1).decode() if found else ("InvalidRange" if status == 416 else "")
             raise RangeAnswerError(status, code, path)
         self.forget(path)
-        return False
 
-    def _body(self, resp: Any, path: str, want: int, cancelled: Callable[[], bool] | None) -> bytes | None:
+    def _body(self, resp: Any, path: str, want: int, cancelled: Callable[[], bool] | None,
+              watcher: _Watcher) -> bytes | None:
         length = resp.headers.get("Content-Length")
         size = int(length) if length is not None and length.isdigit() else -1
         if not 0 <= size <= want:  # not the range asked for: s3fs asks
@@ -204,8 +205,7 @@ class PresignedRanges:
             return None
         buf = bytearray(size)
         view = memoryview(buf)
-        watcher = _watching() if cancelled is not None else None
-        ticket = watcher.add(resp, cancelled) if watcher is not None and cancelled is not None else 0
+        ticket = watcher.add(resp, cancelled) if cancelled is not None else 0
         got = 0
         try:
             while got < size:
@@ -218,7 +218,7 @@ class PresignedRanges:
                 raise ReadCancelledError("read: cancelled by its caller", url=path) from None
             raise _transport(exc, path) from None
         finally:
-            if watcher is not None:
+            if ticket:
                 watcher.remove(ticket)
         if got < size:
             if cancelled is not None and cancelled():

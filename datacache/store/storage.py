@@ -440,8 +440,11 @@ class Store:
         with self._lock:
             self._closed = True
             pool, self._pool, self._fs = self._pool, None, None
+            presigned, self._presigned = self._presigned, None
         if pool is not None and self._pid == os.getpid():
             pool.shutdown(wait=False, cancel_futures=True)
+        if presigned is not None:
+            presigned.close()
         self.congestion.close()
 
     # -- ranged reads -----------------------------------------------------------------------
