@@ -2,9 +2,15 @@
 
 The S3 server is a real ``weed mini`` process (tools/s3server.py) on free loopback ports; it starts
 in ~1-10 s, is shared by the whole session and is stopped even when tests fail.
+
+Ctrl-C: a shell without job control starts its background commands with SIGINT ignored, and a
+child inherits that, so the tests that interrupt a loader, the warm command or the slow link with
+SIGINT would see nothing happen. The suite's processes restore Python's handler at import, so the
+subprocesses they start get SIGINT's default (Python's KeyboardInterrupt) however CI was started.
 """
 from __future__ import annotations
 
+import signal
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -15,6 +21,9 @@ from tools.s3server import SeaweedServer
 from tools.slowlink import SlowLink
 
 TEST_BUCKET = "datacache-test"
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # see the module docstring
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
