@@ -124,3 +124,91 @@ def test_a_proxy_or_client_certificate_leaves_ranged_gets_to_s3fs(s3_server: Any
     with open_store(url, s3_server.storage_options(), transfer=TRANSFER, retry=FAST_RETRY) as store:
         store._ensure()
         assert store._presigned is None
+
+
+def test_extra_request_headers_leave_ranged_gets_to_s3fs() -> None:
+    from datacache.store.presigned import usable
+
+    assert not usable({"s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256", "SSECustomerKey": "k" * 32}})
+    assert not usable({"s3_additional_kwargs": {"RequestPayer": "requester"}})
+    assert not usable({"requester_pays": True})
+    assert usable({"s3_additional_kwargs": {}, "requester_pays": False})
+    assert TransferConfig().presigned, "on by default: S3 stores read by presigned URL where usable"
+
+
+def _ranges(sign: Any) -> Any:
+    from datacache.store.presigned import PresignedRanges
+
+    return PresignedRanges(sign, connect_timeout=5, read_timeout=10, pool_size=2)
+
+
+def test_a_store_that_refuses_presigned_gets_is_left_to_s3fs_after_a_few(s3_server: Any, url: str,
+                                                                         slowlink: Any) -> None:
+    """A store that answers 403 to every presigned GET (here: URLs whose signature is wrong) costs
+    ``GIVE_UP`` round trips, then none: every later GET goes to s3fs at once (None)."""
+    import s3fs
+
+    from datacache.store.presigned import GIVE_UP
+
+    _put(s3_server, url, "o.bin", b"0123456789")
+    link = slowlink()
+    fs = s3fs.S3FileSystem(**s3_server.storage_options(link.endpoint_url))
+    path = f"{s3_server.bucket}/{url.split('/')[3]}/o.bin"
+
+    def sign(p: str, seconds: int) -> str:  # a real URL, its signature spoilt
+        good = fs.sign(p, expiration=seconds)
+        return good.replace("Signature=", "Signature=00")
+
+    ranges = _ranges(sign)
+    try:
+        link.reset_counters()
+        for _ in range(GIVE_UP + 5):
+            assert ranges.get(path, 0, 4) is None
+        assert ranges.off and link.gets == GIVE_UP
+    finally:
+        ranges.close()
+
+
+def test_a_signing_failure_leaves_ranged_gets_to_s3fs(s3_server: Any) -> None:
+    def sign(p: str, seconds: int) -> str:
+        raise RuntimeError("no credentials to sign with")
+
+    ranges = _ranges(sign)
+    try:
+        assert ranges.get("bucket/o.bin", 0, 4) is None and ranges.off
+    finally:
+        ranges.close()
+
+
+def test_after_a_served_get_a_403_signs_every_url_again_and_never_gives_up(s3_server: Any, url: str,
+                                                                           slowlink: Any) -> None:
+    """Temporary credentials renewed after the URLs were signed: the 403s that follow drop every
+    URL kept (each is signed again), and a store that served presigned GETs is not given up on."""
+    import s3fs
+
+    from datacache.store.presigned import GIVE_UP
+
+    _put(s3_server, url, "o.bin", b"0123456789")
+    link = slowlink()
+    fs = s3fs.S3FileSystem(**s3_server.storage_options(link.endpoint_url))
+    path = f"{s3_server.bucket}/{url.split('/')[3]}/o.bin"
+    spoilt = [False]
+    signed = []
+
+    def sign(p: str, seconds: int) -> str:
+        signed.append(p)
+        good = fs.sign(p, expiration=seconds)
+        return good.replace("Signature=", "Signature=00") if spoilt[0] else good
+
+    ranges = _ranges(sign)
+    try:
+        assert ranges.get(path, 2, 6) == b"2345"
+        spoilt[0] = True
+        ranges.forget(path)  # its URL as if signed with credentials that have expired since
+        for _ in range(GIVE_UP + 2):
+            assert ranges.get(path, 0, 4) is None  # each a fresh URL (signed again), refused
+        assert not ranges.off and len(signed) == GIVE_UP + 3
+        spoilt[0] = False
+        assert ranges.get(path, 0, 4) == b"0123"
+    finally:
+        ranges.close()

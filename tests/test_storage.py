@@ -1,6 +1,7 @@
 """datacache.store.storage against a real S3 server (SeaweedFS) and the local file system."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import threading
@@ -30,19 +31,20 @@ FAST_RETRY = RetryConfig(attempts=8, base_delay=0.01, max_delay=0.05, deadline=2
 SECRET = "SuperSecret-Do-Not-Leak-4f1c9e"
 
 
-@pytest.fixture(params=["s3", "file"])
-def location(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any] | None]:
-    """(url, storage_options) of a fresh empty dataset prefix on each backend."""
-    if request.param == "s3":
+@pytest.fixture(params=["s3", "s3fs", "file"])
+def location(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any] | None, bool]:
+    """(url, storage_options, presigned) of a fresh empty dataset prefix on each backend: S3 with
+    its ranged GETs by presigned URL (the default), S3 with every GET through s3fs, a directory."""
+    if request.param != "file":
         server = request.getfixturevalue("s3_server")
-        return f"s3://{server.bucket}/{uuid.uuid4().hex}/", server.storage_options()
-    return f"file://{tmp_path}/ds", None
+        return f"s3://{server.bucket}/{uuid.uuid4().hex}/", server.storage_options(), request.param == "s3"
+    return f"file://{tmp_path}/ds", None, True
 
 
 @pytest.fixture
-def store(location: tuple[str, dict[str, Any] | None]) -> Store:
-    url, opts = location
-    with open_store(url, opts, transfer=TRANSFER, retry=FAST_RETRY) as s:
+def store(location: tuple[str, dict[str, Any] | None, bool]) -> Store:
+    url, opts, presigned = location
+    with open_store(url, opts, transfer=dataclasses.replace(TRANSFER, presigned=presigned), retry=FAST_RETRY) as s:
         yield s
 
 
@@ -121,12 +123,14 @@ def test_missing_bucket(s3_server: Any) -> None:
             assert url in str(info.value)
 
 
-def test_wrong_credentials_are_permission_denied_and_never_leak(s3_server: Any, s3_store_url: str) -> None:
+@pytest.mark.parametrize("presigned", [False, True], ids=["s3fs", "presigned"])
+def test_wrong_credentials_are_permission_denied_and_never_leak(s3_server: Any, s3_store_url: str,
+                                                                 presigned: bool) -> None:
     good = open_store(s3_store_url, s3_server.storage_options())
     good.write_bytes("x.bin", b"hello")
     opts = {"key": "AKIAWRONGKEY12345", "secret": SECRET,
             "client_kwargs": {"endpoint_url": s3_server.endpoint_url, "region_name": "us-east-1"}}
-    with open_store(s3_store_url, opts, retry=FAST_RETRY) as store:
+    with open_store(s3_store_url, opts, retry=FAST_RETRY, transfer=TransferConfig(presigned=presigned)) as store:
         for call in (lambda: store.read_bytes("x.bin", size=5), lambda: store.size("x.bin")):
             with pytest.raises(PermissionDeniedError) as info:
                 call()
@@ -139,12 +143,13 @@ def test_wrong_credentials_are_permission_denied_and_never_leak(s3_server: Any, 
     good.close()
 
 
-def test_transient_503_is_retried(s3_server: Any, s3_store_url: str, slowlink: Any) -> None:
+@pytest.mark.parametrize("presigned", [False, True], ids=["s3fs", "presigned"])
+def test_transient_503_is_retried(s3_server: Any, s3_store_url: str, slowlink: Any, presigned: bool) -> None:
     data = os.urandom(5 * PART + 11)
     open_store(s3_store_url, s3_server.storage_options()).write_bytes("o.bin", data)
     link = slowlink(fail_every=3)
-    with open_store(s3_store_url, s3_server.storage_options(link.endpoint_url), transfer=TRANSFER,
-                    retry=FAST_RETRY) as store:
+    with open_store(s3_store_url, s3_server.storage_options(link.endpoint_url),
+                    transfer=dataclasses.replace(TRANSFER, presigned=presigned), retry=FAST_RETRY) as store:
         assert store.read_bytes("o.bin", size=len(data)) == data
         assert store.read_bytes("o.bin") == data
         stats = store.stats()

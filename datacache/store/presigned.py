@@ -5,7 +5,8 @@ Through s3fs a ranged GET costs the fetching process about 1.5 ms of CPU before 
 a coroutine wake-up for every chunk the socket delivers. ``PresignedRanges`` signs each object's
 URL once (``sign(path, seconds)``: s3fs's ``S3FileSystem.sign``, the same credentials, endpoint and
 addressing) and reads every range of it with a plain HTTP GET and a ``Range`` header on a urllib3
-pool, the body read with ``readinto`` in the calling thread. Opt-in: ``TransferConfig.presigned``.
+pool, the body read with ``readinto`` in the calling thread. On by default for S3 where ``usable``
+(``TransferConfig.presigned``).
 
 What it answers itself: ``206`` (the bytes), ``416`` (an error whose S3 code is ``InvalidRange``,
 as s3fs raises it), ``429``/``5xx`` (an error carrying the status and the S3 code of the body, so
@@ -15,6 +16,14 @@ failures (``ConnectionError`` or ``TimeoutError`` from the urllib3 error: transi
 returns None after dropping the URL: the caller makes that request through s3fs, which re-signs
 and raises its precise error. So the errors a caller sees are s3fs's, or the same kinds.
 
+A store that will not serve presigned GETs (a bucket policy that denies query-string
+authentication, a store without them, credentials that cannot sign) is left to s3fs for good:
+after ``GIVE_UP`` such answers in a row from a store that has not served one presigned GET in
+this process, or at the first signing failure, ``get`` returns None at once (``off``), with one
+INFO log line saying why. So a store that refuses costs a few wasted round trips per process, not
+one per GET. A ``403`` from a store that did serve them (temporary credentials renewed since the
+URLs were signed) drops every URL kept, so each is signed again with the current credentials.
+
 Cancellation: a watcher thread (``datacache-presigned-cancel``) looks at every GET in flight every
 ``POLL`` seconds and shuts the socket of one whose ``cancelled()`` is true (urllib3's
 ``HTTPResponse.shutdown``), so the reading thread's blocked ``readinto`` returns at once and the
@@ -23,6 +32,7 @@ watcher on first use; the URLs are kept: they are plain strings).
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -36,12 +46,15 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from ..errors import ReadCancelledError
 
-__all__ = ["PresignedRanges", "RangeAnswerError", "POLL", "usable"]
+__all__ = ["PresignedRanges", "RangeAnswerError", "POLL", "GIVE_UP", "usable"]
+
+log = logging.getLogger("datacache.store")
 
 POLL = 0.05  # seconds between the watcher's looks at the cancel flags
 EXPIRES = 3600  # a URL's validity, in seconds
 REUSE = EXPIRES / 2  # a URL is signed again after this many seconds
 _PIECE = 1 << 20  # bytes read per readinto call
+GIVE_UP = 8  # refusals in a row (no 206 between them) after which a process leaves every GET to s3fs
 _CODE = re.compile(rb"<Code>([A-Za-z0-9]{1,64})</Code>")
 
 
@@ -117,6 +130,15 @@ class PresignedRanges:
         self._urls: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
         self._pool: tuple[int, urllib3.PoolManager, _Watcher] | None = None
+        self._refusals = 0  # answers left to s3fs
+        self._served = False  # whether a presigned GET was ever answered with its range
+        self.off = False  # every GET left to s3fs from now on (see the module docstring)
+
+    def _give_up(self, why: str) -> None:
+        with self._lock:
+            was, self.off = self.off, True
+        if not was:
+            log.info("datacache: ranged GETs go through s3fs from now on: %s", why)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -142,7 +164,7 @@ class PresignedRanges:
             got = self._urls.get(path)
         if got is not None and now - got[1] < REUSE:
             return got[0]
-        url = self._sign(path, EXPIRES)  # no lock held: signing may wait on the filesystem's loop
+        url = self._sign(path, EXPIRES)  # no lock held: signing may wait on the filesystem's loop; may raise
         with self._lock:
             self._urls[path] = (url, now)
         return url
@@ -166,7 +188,13 @@ class PresignedRanges:
         where the answer is left to s3fs (see the module docstring)."""
         if cancelled is not None and cancelled():
             raise ReadCancelledError("read: cancelled by its caller", url=path)
-        url = self._url(path)
+        if self.off:
+            return None
+        try:
+            url = self._url(path)
+        except Exception as exc:  # noqa: BLE001 - s3fs makes the request, and raises what is wrong
+            self._give_up(f"cannot presign a GET of {path} ({type(exc).__name__})")
+            return None
         _, manager, watcher = self._process()
         try:
             resp = manager.request("GET", url, headers={"Range": f"bytes={start}-{end - 1}"},
@@ -180,6 +208,8 @@ class PresignedRanges:
                 return None
             data = self._body(resp, path, end - start, cancelled, watcher)
             whole = data is not None
+            if whole:
+                self._served = True
             return data
         finally:
             if not whole:
@@ -194,7 +224,20 @@ class PresignedRanges:
             found = _CODE.search(resp.read(4096, decode_content=False) or b"")
             code = found.group(1).decode() if found else ("InvalidRange" if status == 416 else "")
             raise RangeAnswerError(status, code, path)
-        self.forget(path)
+        if status == 403 and self._served:  # credentials renewed since: sign every URL again
+            with self._lock:
+                self._urls.clear()
+        else:
+            self.forget(path)
+        self._refused_once(f"HTTP {status} to a presigned GET of {path}")
+
+    def _refused_once(self, why: str) -> None:
+        """Count an answer left to s3fs; give up after ``GIVE_UP`` of them where none was served."""
+        with self._lock:
+            self._refusals += 1
+            done = self._refusals >= GIVE_UP and not self._served
+        if done:
+            self._give_up(f"{why}, and {GIVE_UP} such answers without one served")
 
     def _body(self, resp: Any, path: str, want: int, cancelled: Callable[[], bool] | None,
               watcher: _Watcher) -> bytes | None:
@@ -202,6 +245,7 @@ class PresignedRanges:
         size = int(length) if length is not None and length.isdigit() else -1
         if not 0 <= size <= want:  # not the range asked for: s3fs asks
             self.forget(path)
+            self._refused_once(f"HTTP {resp.status} with {size} bytes to a ranged GET of {want} of {path}")
             return None
         buf = bytearray(size)
         view = memoryview(buf)
@@ -233,9 +277,12 @@ _PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PR
 def usable(options: dict[str, Any]) -> bool:
     """Whether presigned GETs reach the store as s3fs's do with these storage options: not
     through a proxy (an environment proxy or botocore's ``proxies``, which this path does not
-    use), nor with client certificates."""
+    use), nor with client certificates, nor with headers s3fs adds to every request
+    (``s3_additional_kwargs``: a customer's encryption key, a requester-pays flag) or
+    ``requester_pays``, which a presigned GET would not carry."""
     config = options.get("config_kwargs") or {}
-    return not (any(os.environ.get(v) for v in _PROXY_VARS) or config.get("proxies") or config.get("client_cert"))
+    return not (any(os.environ.get(v) for v in _PROXY_VARS) or config.get("proxies") or config.get("client_cert")
+                or options.get("s3_additional_kwargs") or options.get("requester_pays"))
 
 
 def _tls(verify: bool | str | None) -> dict[str, Any]:
