@@ -5,6 +5,7 @@ GET in flight, and no signed URL in any message. (A connection reset mid-body: `
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from datacache.config import RetryConfig, TransferConfig
 from datacache.errors import NotFoundError, PermissionDeniedError, ReadCancelledError
 from datacache.store.storage import open_store
+from tests.helpers import faults as H
 
 PART = 16 * 1024
 TRANSFER = TransferConfig(part_bytes=PART, concurrency=4, timeout=10, presigned=True)
@@ -212,3 +214,47 @@ def test_after_a_served_get_a_403_signs_every_url_again_and_never_gives_up(s3_se
         assert ranges.get(path, 0, 4) == b"0123"
     finally:
         ranges.close()
+
+
+def _read_in_thread(store: Any, cancelled: Any) -> tuple[threading.Thread, list[BaseException | bytes]]:
+    got: list[BaseException | bytes] = []
+
+    def read() -> None:
+        try:
+            got.append(store.read_range("o.bin", 0, 10, cancelled=cancelled))
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            got.append(exc)
+
+    thread = threading.Thread(target=read, name="test-presigned-read")
+    thread.start()
+    return thread, got
+
+
+@pytest.mark.timeout(60)
+def test_a_get_waiting_for_its_answer_is_abandoned_once_cancelled(s3_server: Any, url: str, slowlink: Any) -> None:
+    """The watcher shuts a GET's socket from the moment its connection is up, not only while its body
+    is read: here the link holds the request 30 s before the server sees it."""
+    _put(s3_server, url, "o.bin", b"0123456789")
+    link = slowlink(latency_spike=(1, 30.0))
+    flag = threading.Event()
+    with open_store(url, s3_server.storage_options(link.endpoint_url), transfer=TRANSFER, retry=FAST_RETRY) as store:
+        thread, got = _read_in_thread(store, flag.is_set)
+        H.wait_for(lambda: link.gets >= 1, 20, "the GET to be waiting for its answer")
+        flag.set()
+        thread.join(20)
+        assert not thread.is_alive() and isinstance(got[0], ReadCancelledError), got
+
+
+@pytest.mark.timeout(60)
+def test_close_ends_a_get_in_flight_that_nothing_cancels(s3_server: Any, url: str, slowlink: Any) -> None:
+    """A store's close() shuts every presigned GET in flight, even one read with no cancel flag,
+    so that nothing of the closed store is left transferring (a Ctrl-C left a partial copy's temp
+    file behind while a GET waited for its answer)."""
+    _put(s3_server, url, "o.bin", b"0123456789")
+    link = slowlink(latency_spike=(1, 30.0))
+    store = open_store(url, s3_server.storage_options(link.endpoint_url), transfer=TRANSFER, retry=FAST_RETRY)
+    thread, got = _read_in_thread(store, None)
+    H.wait_for(lambda: link.gets >= 1, 20, "the GET to be waiting for its answer")
+    store.close()
+    thread.join(20)
+    assert not thread.is_alive() and isinstance(got[0], Exception), got

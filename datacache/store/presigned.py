@@ -25,10 +25,13 @@ one per GET. A ``403`` from a store that did serve them (temporary credentials r
 URLs were signed) drops every URL kept, so each is signed again with the current credentials.
 
 Cancellation: a watcher thread (``datacache-presigned-cancel``) looks at every GET in flight every
-``POLL`` seconds and shuts the socket of one whose ``cancelled()`` is true (urllib3's
-``HTTPResponse.shutdown``), so the reading thread's blocked ``readinto`` returns at once and the
-GET raises ``ReadCancelledError``. Thread-safe; fork-safe (a forked child makes its own pool and
-watcher on first use; the URLs are kept: they are plain strings).
+``POLL`` seconds and shuts the socket of one whose ``cancelled()`` is true, from the moment its
+connection is up (the request sent, the answer's head awaited, the body read: the pool's
+connection classes tell the GET's ``_Socket`` which socket it uses), so the reading thread's
+blocked read returns at once and the GET raises ``ReadCancelledError``. ``close`` shuts every GET
+in flight likewise (each raises), so a closed store leaves no transfer running unwatched. Only the
+connect itself is not interrupted: ``connect_timeout`` bounds it. Thread-safe; fork-safe (a forked
+child makes its own pool and watcher on first use; the URLs are kept: they are plain strings).
 """
 from __future__ import annotations
 
@@ -67,21 +70,94 @@ class RangeAnswerError(Exception):
         self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
 
 
+class _Socket:
+    """The socket one GET uses, once its connection is up (set by ``_note`` in the GET's thread);
+    ``shutdown`` shuts it, until ``done`` (the GET over: its connection may serve another GET)."""
+
+    __slots__ = ("sock", "over", "shut", "lock")
+
+    def __init__(self) -> None:
+        self.sock: Any = None
+        self.over = False
+        self.shut = False  # shut down: a socket noted later is shut at once
+        self.lock = threading.Lock()
+
+    def shutdown(self) -> None:
+        with self.lock:
+            self.shut = True
+            self._shut()
+
+    def _shut(self) -> None:  # with the lock held
+        if self.sock is not None and not self.over:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # closed meanwhile: the GET has ended anyway
+                pass
+
+    def done(self) -> None:
+        with self.lock:
+            self.over, self.sock = True, None
+
+
+_current = threading.local()  # the calling thread's GET in flight (its _Socket), for _note
+
+
+def _note(conn: Any) -> None:
+    """Tell the calling thread's GET in flight which socket its connection uses."""
+    slot = getattr(_current, "slot", None)
+    if slot is not None and conn.sock is not None:
+        with slot.lock:
+            if not slot.over:
+                slot.sock = conn.sock
+                if slot.shut:
+                    slot._shut()
+
+
+class _HTTPConnection(urllib3.connection.HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        _note(self)
+
+    def getresponse(self, *args: Any, **kwargs: Any) -> Any:  # a pooled connection: connected before
+        _note(self)
+        return super().getresponse(*args, **kwargs)
+
+
+class _HTTPSConnection(urllib3.connection.HTTPSConnection):
+    def connect(self) -> None:
+        super().connect()
+        _note(self)
+
+    def getresponse(self, *args: Any, **kwargs: Any) -> Any:
+        _note(self)
+        return super().getresponse(*args, **kwargs)
+
+
+class _HTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _HTTPConnection
+
+
+class _HTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _HTTPSConnection
+
+
 class _Watcher:
-    """The GETs in flight of this process (with a cancel flag) and the thread that shuts the
-    cancelled ones' sockets; the thread sleeps on a condition while none is in flight."""
+    """The GETs in flight of this process (their ``_Socket`` and cancel flag) and the thread that
+    shuts the cancelled ones' sockets; the thread sleeps on a condition while none is in flight."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.inflight: dict[int, tuple[Any, Callable[[], bool]]] = {}
+        self.inflight: dict[int, tuple[_Socket, Callable[[], bool]]] = {}
         self.tickets = 0
         self.thread: threading.Thread | None = None
         self.closed = False
 
-    def add(self, resp: Any, cancelled: Callable[[], bool]) -> int:
+    def add(self, slot: _Socket, cancelled: Callable[[], bool]) -> int:
         with self.cond:
+            if self.closed:  # a GET that began as the store closed: shut as soon as it has a socket
+                slot.shutdown()
             self.tickets += 1
-            self.inflight[self.tickets] = (resp, cancelled)
+            self.inflight[self.tickets] = (slot, cancelled)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="datacache-presigned-cancel", daemon=True)
                 self.thread.start()
@@ -93,10 +169,15 @@ class _Watcher:
             self.inflight.pop(ticket, None)
 
     def close(self) -> None:
-        """End the thread (at its next look; GETs in flight finish on their own). Idempotent."""
+        """Shut the socket of every GET in flight (its reading thread's ``readinto`` returns at
+        once and the GET raises, so a store's ``close`` leaves no transfer running unwatched, nor its
+        temp file behind) and end the thread at its next look. Idempotent."""
         with self.cond:
             self.closed = True
+            watched, self.inflight = list(self.inflight.values()), {}
             self.cond.notify()
+        for slot, _ in watched:
+            slot.shutdown()
 
     def _run(self) -> None:
         while True:
@@ -106,12 +187,13 @@ class _Watcher:
                 if self.closed:
                     return
                 watched = list(self.inflight.values())
-            for resp, cancelled in watched:
+            for slot, cancelled in watched:
                 try:
-                    if cancelled():
-                        resp.shutdown()
-                except Exception:  # noqa: BLE001 - released meanwhile, or a failing flag: the GET ends anyway
-                    pass
+                    stop = cancelled()
+                except Exception:  # noqa: BLE001 - a failing flag: the GET ends on its own
+                    stop = False
+                if stop:
+                    slot.shutdown()
             with self.cond:
                 self.cond.wait(POLL)  # a cancel flag is a function: looked at every POLL seconds
 
@@ -154,8 +236,10 @@ class PresignedRanges:
         parent's watcher thread does not exist there)."""
         with self._lock:
             if self._pool is None or self._pool[0] != os.getpid():
-                self._pool = (os.getpid(), urllib3.PoolManager(maxsize=self._pool_size, block=False, retries=False,
-                                                               timeout=self._timeout, **self._tls), _Watcher())
+                manager = urllib3.PoolManager(maxsize=self._pool_size, block=False, retries=False,
+                                              timeout=self._timeout, **self._tls)
+                manager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+                self._pool = (os.getpid(), manager, _Watcher())
             return self._pool
 
     def _url(self, path: str) -> str:
@@ -196,17 +280,30 @@ class PresignedRanges:
             self._give_up(f"cannot presign a GET of {path} ({type(exc).__name__})")
             return None
         _, manager, watcher = self._process()
+        slot = _Socket()
+        ticket = watcher.add(slot, cancelled or _never)  # watched even uncancellable: close() shuts it
+        _current.slot = slot
         try:
-            resp = manager.request("GET", url, headers={"Range": f"bytes={start}-{end - 1}"},
-                                           preload_content=False, redirect=False)
-        except Urllib3Error as exc:
-            raise _transport(exc, path) from None  # its text holds the signed URL
+            try:
+                resp = manager.request("GET", url, headers={"Range": f"bytes={start}-{end - 1}"},
+                                       preload_content=False, redirect=False)
+            except Urllib3Error as exc:
+                _raise_cancelled(cancelled, path)
+                raise _transport(exc, path) from None  # its text holds the signed URL
+            finally:
+                _current.slot = None
+            return self._answer(resp, path, end - start, cancelled)
+        finally:
+            watcher.remove(ticket)
+            slot.done()
+
+    def _answer(self, resp: Any, path: str, want: int, cancelled: Callable[[], bool] | None) -> bytes | None:
         whole = False  # the answer read to its end: the connection can serve the next GET
         try:
             if resp.status != 206:
                 self._refused(resp, path)
                 return None
-            data = self._body(resp, path, end - start, cancelled, watcher)
+            data = self._body(resp, path, want, cancelled)
             whole = data is not None
             if whole:
                 self._served = True
@@ -239,8 +336,7 @@ class PresignedRanges:
         if done:
             self._give_up(f"{why}, and {GIVE_UP} such answers without one served")
 
-    def _body(self, resp: Any, path: str, want: int, cancelled: Callable[[], bool] | None,
-              watcher: _Watcher) -> bytes | None:
+    def _body(self, resp: Any, path: str, want: int, cancelled: Callable[[], bool] | None) -> bytes | None:
         length = resp.headers.get("Content-Length")
         size = int(length) if length is not None and length.isdigit() else -1
         if not 0 <= size <= want:  # not the range asked for: s3fs asks
@@ -249,7 +345,6 @@ class PresignedRanges:
             return None
         buf = bytearray(size)
         view = memoryview(buf)
-        ticket = watcher.add(resp, cancelled) if cancelled is not None else 0
         got = 0
         try:
             while got < size:
@@ -258,17 +353,22 @@ class PresignedRanges:
                     break
                 got += n
         except (Urllib3Error, OSError) as exc:
-            if cancelled is not None and cancelled():
-                raise ReadCancelledError("read: cancelled by its caller", url=path) from None
+            _raise_cancelled(cancelled, path)
             raise _transport(exc, path) from None
-        finally:
-            if ticket:
-                watcher.remove(ticket)
         if got < size:
-            if cancelled is not None and cancelled():
-                raise ReadCancelledError("read: cancelled by its caller", url=path)
+            _raise_cancelled(cancelled, path)
             raise ConnectionResetError(f"the connection ended after {got} of {size} bytes of a ranged GET of {path}")
         return bytes(buf)
+
+
+def _never() -> bool:
+    return False
+
+
+def _raise_cancelled(cancelled: Callable[[], bool] | None, path: str) -> None:
+    """A GET that failed because it was cancelled (its socket shut by the watcher) says so."""
+    if cancelled is not None and cancelled():
+        raise ReadCancelledError("read: cancelled by its caller", url=path) from None
 
 
 _PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")

@@ -285,6 +285,8 @@ class Store:
         started = time.monotonic() if started is None else started
 
         def attempt() -> Any:
+            if self._closed:  # closed during the call (its GET in flight shut by close): no attempt more
+                raise StorageError(f"{op}: the store was closed during the call", url=self.url_of(name))
             with (slots or self._requests).hold(priority) if priority is not None else nullcontext(), \
                     self.congestion.request(started + self.retry.deadline, cancelled):
                 try:
