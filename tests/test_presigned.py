@@ -138,6 +138,19 @@ def test_extra_request_headers_leave_ranged_gets_to_s3fs() -> None:
     assert TransferConfig().presigned, "on by default: S3 stores read by presigned URL where usable"
 
 
+def _signer(s3_server: Any, url: str, link: Any, *, spoilt: Any) -> tuple[str, Any]:
+    """(the path of ``url``'s object o.bin, a signer of real URLs through ``link`` whose signature is
+    spoilt while ``spoilt()``)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_server.storage_options(link.endpoint_url))
+
+    def sign(p: str, seconds: int) -> str:
+        good = fs.sign(p, expiration=seconds)
+        return good.replace("Signature=", "Signature=00") if spoilt() else good
+    return f"{s3_server.bucket}/{url.split('/')[3]}/o.bin", sign
+
+
 def _ranges(sign: Any) -> Any:
     from datacache.store.presigned import PresignedRanges
 
@@ -148,20 +161,13 @@ def test_a_store_that_refuses_presigned_gets_is_left_to_s3fs_after_a_few(s3_serv
                                                                          slowlink: Any) -> None:
     """A store that answers 403 to every presigned GET (here: URLs whose signature is wrong) costs
     ``GIVE_UP`` round trips, then none: every later GET goes to s3fs at once (None)."""
-    import s3fs
 
     from datacache.store.presigned import GIVE_UP
 
     _put(s3_server, url, "o.bin", b"0123456789")
     link = slowlink()
-    fs = s3fs.S3FileSystem(**s3_server.storage_options(link.endpoint_url))
-    path = f"{s3_server.bucket}/{url.split('/')[3]}/o.bin"
-
-    def sign(p: str, seconds: int) -> str:  # a real URL, its signature spoilt
-        good = fs.sign(p, expiration=seconds)
-        return good.replace("Signature=", "Signature=00")
-
-    ranges = _ranges(sign)
+    path, signer = _signer(s3_server, url, link, spoilt=lambda: True)
+    ranges = _ranges(signer)
     try:
         link.reset_counters()
         for _ in range(GIVE_UP + 5):
@@ -186,23 +192,20 @@ def test_after_a_served_get_a_403_signs_every_url_again_and_never_gives_up(s3_se
                                                                            slowlink: Any) -> None:
     """Temporary credentials renewed after the URLs were signed: the 403s that follow drop every
     URL kept (each is signed again), and a store that served presigned GETs is not given up on."""
-    import s3fs
 
     from datacache.store.presigned import GIVE_UP
 
     _put(s3_server, url, "o.bin", b"0123456789")
     link = slowlink()
-    fs = s3fs.S3FileSystem(**s3_server.storage_options(link.endpoint_url))
-    path = f"{s3_server.bucket}/{url.split('/')[3]}/o.bin"
     spoilt = [False]
     signed = []
 
-    def sign(p: str, seconds: int) -> str:
-        signed.append(p)
-        good = fs.sign(p, expiration=seconds)
-        return good.replace("Signature=", "Signature=00") if spoilt[0] else good
+    def spoil() -> bool:
+        signed.append(True)
+        return spoilt[0]
 
-    ranges = _ranges(sign)
+    path, signer = _signer(s3_server, url, link, spoilt=spoil)
+    ranges = _ranges(signer)
     try:
         assert ranges.get(path, 2, 6) == b"2345"
         spoilt[0] = True

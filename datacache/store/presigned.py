@@ -57,7 +57,7 @@ POLL = 0.05  # seconds between the watcher's looks at the cancel flags
 EXPIRES = 3600  # a URL's validity, in seconds
 REUSE = EXPIRES / 2  # a URL is signed again after this many seconds
 _PIECE = 1 << 20  # bytes read per readinto call
-GIVE_UP = 8  # refusals in a row (no 206 between them) after which a process leaves every GET to s3fs
+GIVE_UP = 8  # refusals by a store that never served this process after which its GETs go to s3fs
 _CODE = re.compile(rb"<Code>([A-Za-z0-9]{1,64})</Code>")
 
 
@@ -113,24 +113,25 @@ def _note(conn: Any) -> None:
                     slot._shut()
 
 
-class _HTTPConnection(urllib3.connection.HTTPConnection):
+class _Noted:
+    """A urllib3 connection that tells the calling thread's GET its socket (``_note``) once
+    connected, and again before awaiting an answer (a pooled connection was connected before)."""
+
     def connect(self) -> None:
-        super().connect()
-        _note(self)
-
-    def getresponse(self, *args: Any, **kwargs: Any) -> Any:  # a pooled connection: connected before
-        _note(self)
-        return super().getresponse(*args, **kwargs)
-
-
-class _HTTPSConnection(urllib3.connection.HTTPSConnection):
-    def connect(self) -> None:
-        super().connect()
+        super().connect()  # type: ignore[misc]
         _note(self)
 
     def getresponse(self, *args: Any, **kwargs: Any) -> Any:
         _note(self)
-        return super().getresponse(*args, **kwargs)
+        return super().getresponse(*args, **kwargs)  # type: ignore[misc]
+
+
+class _HTTPConnection(_Noted, urllib3.connection.HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_Noted, urllib3.connection.HTTPSConnection):
+    pass
 
 
 class _HTTPPool(urllib3.HTTPConnectionPool):
@@ -214,6 +215,7 @@ class PresignedRanges:
         self._pool: tuple[int, urllib3.PoolManager, _Watcher] | None = None
         self._refusals = 0  # answers left to s3fs
         self._served = False  # whether a presigned GET was ever answered with its range
+        self._closed = False
         self.off = False  # every GET left to s3fs from now on (see the module docstring)
 
     def _give_up(self, why: str) -> None:
@@ -235,6 +237,8 @@ class PresignedRanges:
         """This process's pool and watcher (a forked child makes its own: its own sockets, and the
         parent's watcher thread does not exist there)."""
         with self._lock:
+            if self._closed:  # a GET that raced with close(): no new pool and watcher (a transient error)
+                raise ConnectionAbortedError("presigned GETs are closed (the store was closed)")
             if self._pool is None or self._pool[0] != os.getpid():
                 manager = urllib3.PoolManager(maxsize=self._pool_size, block=False, retries=False,
                                               timeout=self._timeout, **self._tls)
@@ -257,7 +261,7 @@ class PresignedRanges:
         """Stop this process's watcher thread and drop its pool's connections. Idempotent; never
         waits for a GET in flight."""
         with self._lock:
-            mine, self._pool = self._pool, None
+            mine, self._pool, self._closed = self._pool, None, True
         if mine is not None and mine[0] == os.getpid():
             mine[2].close()
             mine[1].clear()
