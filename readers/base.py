@@ -143,6 +143,14 @@ class ShardReader(abc.ABC):
     def __iter__(self) -> Iterator[Sample]:
         return self.iter_range(0, len(self))
 
+    def prepare_tables(self) -> None:
+        """Make now what this reader's later columnar reads (a format's ``columns``) take their rows
+        from, where the format keeps such a thing: called on a reader kept open across reads
+        (``datacache.read.open_readers``), whose file never changes, when it is handed out again
+        for a caller that will read it as tables. A hint: it may do nothing, and a read never needs
+        it. The base reader keeps nothing."""
+        return None
+
     def field_kinds(self) -> Schema:
         """The schema a manifest records for this file: :attr:`schema`, or for a file without
         one, the kinds its fields come back as (see the format's reader)."""

@@ -206,7 +206,7 @@ class ZstdShardReader(_BaseReader):
         self._cached: tuple[int, memoryview] = (-1, memoryview(b""))
         self._layouts: RowLayouts | None = None  # the rows ``columns`` parsed
         self._whole: Columns | bool | None = None  # every row's table where all blocks are raw (_whole_table)
-        self._read_before = False  # whether columns() was called before: the reader is one kept across runs
+        self._read_before = False  # columns() called before, or prepare_tables(): a reader kept across runs
         self._ensure_open()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -416,13 +416,28 @@ class ZstdShardReader(_BaseReader):
             return whole.take(idx)
         return self._table(idx, blocks)
 
+    def prepare_tables(self) -> None:
+        """Make the whole-shard table (``_whole_table``) now if it can be made, rather than at the
+        second ``columns`` call: a reader kept across reads, handed out again to a caller that will
+        read it as tables (``datacache.read.open_readers``). So a shard first read sample by sample
+        (a cold epoch's part mix, behind the link) has its table before the first columnar epoch,
+        whose runs then take their rows from it. Tried again at each call until made (a view of a
+        sample handed out and still alive may stop it)."""
+        if self._whole is not None:
+            return
+        self._ensure_open()
+        self._read_before = True
+        self._whole_table(self._n)
+
     def _whole_table(self, n: int) -> Columns | None:
-        """Every row's table, made at the reader's second call (a reader kept across runs and epochs)
-        and kept while the mapping is open, where every block is raw (each row's bytes are then at a
-        fixed address of the mapping) and no region handed out may have been written
-        (``CowMap.clean``): a warm epoch's runs are then rows taken from it, with no parse and no
-        per-block work. None where that does not hold (then read as asked)."""
+        """Every row's table, made at the reader's second call (a reader kept across runs and epochs;
+        or earlier, ``prepare_tables``) and kept while the mapping is open, where every block is raw
+        (each row's bytes are then at a fixed address of the mapping) and no region handed out may
+        have been written (``CowMap.clean``): a warm epoch's runs are then rows taken from it, with
+        no parse and no per-block work. None where that does not hold (then read as asked)."""
         assert self._cow is not None
+        if self._whole is None:  # the reader's own view of its current raw block would count as handed out
+            self._cached = (-1, memoryview(b""))
         if self._whole is False or not self._cow.clean():
             return None
         if self._whole is None and not self._read_before:  # a reader read once (a partial copy's) makes none

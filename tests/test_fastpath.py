@@ -150,6 +150,44 @@ def test_open_shards_reuses_a_reader_until_its_file_changes(tmp_path: Any) -> No
     assert r3._closed
 
 
+def test_a_reader_handed_out_again_for_tables_makes_its_whole_table_first(tmp_path: Any) -> None:
+    """A cached shard's reader kept open and handed out again to a caller that reads tables
+    (``checkout(tables=True)``) makes its whole-shard table then, even if it was only read sample by
+    sample (a cold epoch's part mix): not while a sample view it handed out may have been written,
+    and the table reads as in the file after such a write. Without ``tables`` it makes none."""
+    from datacache.readers.columns import Columns
+
+    fmt = readers.get_format("zstd")
+    samples = _samples(40)
+    path = _write(tmp_path / "s.dcz", samples, block_bytes=1 << 12)
+    shards = OpenShards(max_open=4, sweep_every=0)
+    r = shards.checkout(fmt, path, {}, tables=True)
+    assert ((r._blocks[:, 0] & np.uint64(rzstd.RAW_BLOCK)) != 0).all(), "the fixture's blocks should be raw"
+    assert r._whole is None, "a reader opened afresh makes none: it may be read once"
+    view = r.get(3)["image"]
+    view[:] = 0  # a sample is writable; its view is still alive at the next checkout
+    shards.checkin(fmt, path, r, {})
+    assert shards.checkout(fmt, path, {}, tables=True) is r and r._whole is None
+    del view
+    gc.collect()
+    shards.checkin(fmt, path, r, {})
+    assert shards.checkout(fmt, path, {}, tables=True) is r and isinstance(r._whole, Columns)
+    rows = np.array([0, 3, 17, 39])
+    table = r.columns(0, 40, rows)
+    assert isinstance(table, Columns)
+    for k, i in enumerate(rows.tolist()):
+        got = table.sample(k)
+        assert np.array_equal(got["image"], samples[i]["image"]) and got["id"] == i, f"row {i}"
+    shards.checkin(fmt, path, r, {})
+    shards.close()
+    plain = OpenShards(sweep_every=0)
+    r2 = plain.checkout(fmt, path, {})
+    r2.get(0)
+    plain.checkin(fmt, path, r2, {})
+    assert plain.checkout(fmt, path, {}) is r2 and r2._whole is None
+    plain.close()
+
+
 # ---------------------------------------------------------------- collation and rings
 def test_collate_fields() -> None:
     samples = [{"i": k, "f": k / 2, "b": bool(k % 2), "s": str(k), "a": np.ones((2, 3)) * k,

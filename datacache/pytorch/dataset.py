@@ -439,6 +439,8 @@ class StreamingDataset(tud.IterableDataset):
         # (datacache.pytorch.gather); a node mix's compressed blocks decompressed once per epoch.
         columnar = (self.batch_size is not None and self.collate_fn is collate and self.transform is None
                     and self._mix is None and getattr(self.source.fmt.reader, "columns", None) is not None)
+        if columnar:  # a part mix reads samples; its shards' readers prepare the warm epochs' tables
+            self.source.tables = True
         return Consumer(source=self.source, plan=plan, epoch=spec.epoch, skip=skip, prefetch=prefetch,
                         schedule=schedule, on_error=self.on_error, lead=self._lead(spec, order, skip, plan.parts),
                         marks=self._skips, columnar=columnar,

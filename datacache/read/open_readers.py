@@ -37,8 +37,11 @@ class OpenShards:
             collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def checkout(self, fmt: ShardFormat, path: str, options: dict[str, Any]) -> Any:
-        """An open reader of ``path`` (reused if its file is unchanged); give it back with ``checkin``."""
+    def checkout(self, fmt: ShardFormat, path: str, options: dict[str, Any], *, tables: bool = False) -> Any:
+        """An open reader of ``path`` (reused if its file is unchanged); give it back with ``checkin``.
+        ``tables``: the caller reads this file as tables, now or in a later epoch: a reader handed
+        out again (so one kept across reads) makes its whole-shard table first, where it can and
+        has none (``ShardReader.prepare_tables``), in the caller's thread."""
         identity = _identity(path)
         key = (fmt.name, path, _options_key(options))
         with self._lock:
@@ -48,6 +51,8 @@ class OpenShards:
             r.close()
         if entry is not None:
             if entry[1] == identity:
+                if tables:
+                    entry[0].prepare_tables()
                 return entry[0]
             entry[0].close()
         reader = fmt.open(path, **options)

@@ -87,6 +87,10 @@ class ShardSource:
         self.reader_options = manifest.reader_options(reader_options)
         self.fmt = get_format(manifest.format)
         self.peers: PeerTier | None = None  # the peer tier (``datacache.read.peers.attach``)
+        # Whether this source's shards are read as tables (``read_columns``), in this epoch or a
+        # later one: its cached shards' readers, kept open across reads, then make their tables
+        # when first handed out again (``OpenShards.checkout``), sample-by-sample reads included.
+        self.tables = False
         self._by_name: dict[str, int] | None = None
         self._init_parts()
 
@@ -381,7 +385,7 @@ class ShardSource:
         pool = open_shards()
         try:
             if pooled:
-                reader = pool.checkout(self.fmt, path, self.reader_options)
+                reader = pool.checkout(self.fmt, path, self.reader_options, tables=self.tables)
             else:
                 reader = self.fmt.open(path, **self.reader_options)
             try:
