@@ -188,6 +188,23 @@ def test_a_reader_handed_out_again_for_tables_makes_its_whole_table_first(tmp_pa
     plain.close()
 
 
+def test_a_reader_that_fails_to_prepare_its_tables_is_closed_not_left_mapped(tmp_path: Any) -> None:
+    fmt = readers.get_format("zstd")
+    path = _write(tmp_path / "s.dcz", _samples(8), block_bytes=1 << 12)
+    shards = OpenShards(sweep_every=0)
+    r = shards.checkout(fmt, path, {})
+    shards.checkin(fmt, path, r, {})
+
+    def fail() -> None:
+        raise MemoryError("no room for the table")
+    r.prepare_tables = fail
+    with pytest.raises(MemoryError):
+        shards.checkout(fmt, path, {}, tables=True)
+    assert r.closed and shards._idle == {}
+    assert shards.checkout(fmt, path, {}, tables=True) is not r  # the next caller gets a reader afresh
+    shards.close()
+
+
 # ---------------------------------------------------------------- collation and rings
 def test_collate_fields() -> None:
     samples = [{"i": k, "f": k / 2, "b": bool(k % 2), "s": str(k), "a": np.ones((2, 3)) * k,

@@ -52,7 +52,11 @@ class OpenShards:
         if entry is not None:
             if entry[1] == identity:
                 if tables:
-                    entry[0].prepare_tables()
+                    try:
+                        entry[0].prepare_tables()
+                    except BaseException:  # a reader neither handed out nor kept is closed, not left mapped
+                        entry[0].close()
+                        raise
                 return entry[0]
             entry[0].close()
         reader = fmt.open(path, **options)
