@@ -264,3 +264,23 @@ def test_a_throttled_error_names_the_throttling_answer_whatever_failed_last() ->
                           sleep=lambda _: None)
     assert "SlowDown" in str(info.value) and "throttling" in str(info.value), str(info.value)
     assert isinstance(info.value.__cause__, _SlowDown)
+
+
+def test_a_request_the_gate_turns_away_first_names_the_answer_that_moved_it() -> None:
+    """Another thread's request had the throttling answer that moved the node's gate past this
+    operation's deadline, so this one's first attempt never left (``NodeBackoff``): its error still
+    names the store's answer (503 SlowDown), not only the gate."""
+    from datacache.store import retry as _retry
+
+    c = Congestion("s3://b/p/", None, base_delay=60, max_delay=60)
+    with pytest.raises(_SlowDown):
+        with c.request(time.monotonic() + 30):  # the other thread's request: the gate moves 30-60 s ahead
+            raise _SlowDown()
+
+    def fn() -> None:
+        with c.request(time.monotonic() + 1):
+            pass
+    with pytest.raises(ThrottledError) as info:
+        _retry.retry_call(fn, RetryConfig(deadline=1), url="s3://b/p/x", op="read", redact=str)
+    assert "SlowDown" in str(info.value) and "1 attempt" in str(info.value), str(info.value)
+    c.close()

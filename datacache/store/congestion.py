@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from .._localfs import pid_alive as _alive  # file helpers only: the store still imports no cache
-from .retry import NodeBackoff, classify
+from .retry import NodeBackoff, classify, describe
 
 _log = logging.getLogger("datacache.store.storage")
 
@@ -147,6 +147,8 @@ class Congestion:
         self._state: _Mapped | None = None
         self._lock = threading.Lock()
         self._rng = random.Random()
+        # this process's last throttling answer (``describe``d): what a request the gate turns away names
+        self._answer: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in ("url", "control_dir", "base_delay", "max_delay", "rate")}
@@ -273,15 +275,20 @@ class Congestion:
     @contextmanager
     def request(self, give_up_at: float, cancelled: Callable[[], bool] | None = None) -> Iterator[None]:
         """One request to the store in the block: ``acquire`` (``NodeBackoff``, a throttling
-        error, when that fails), then ``release`` with the outcome of the block's exception."""
+        error, when that fails: it names this process's last throttling answer, which another
+        thread's request may have had), then ``release`` with the outcome of the block's exception."""
         if not self.acquire(give_up_at, cancelled):
-            raise NodeBackoff("the node is backing off from a throttling store past this operation's deadline")
+            answer = self._answer
+            raise NodeBackoff("the node is backing off from a throttling store past this operation's deadline"
+                              + (f" (the store's last throttling answer here: {answer})" if answer else ""))
         outcome = "error"
         try:
             yield
             outcome = "ok"
         except Exception as exc:
             outcome = classify(exc)
+            if outcome == "throttled":
+                self._answer = describe(exc)  # one str assignment: no lock needed
             raise
         finally:
             self.release(outcome)
