@@ -33,6 +33,10 @@ killed process is removed by the next ring created on the node. A worker keeps i
 its epochs (persistent workers): an epoch starts with warm, mapped slots. In the main process (no
 DataLoader workers) the ring is anonymous memory.
 
+A batch whose large ``bytes`` columns stay in the worker (``datacache.pytorch.crossread``) has
+the worker keep what their addresses point into (``BatchRing.hold``) until its slot is free: the
+consumer reads the values before it frees the slot, so the memory it reads is the values'.
+
 Thread safety: a ring is filled by one producer thread; slots are freed from any thread.
 
 Batched mode's loop (``batched``): a consumer's samples collated into whole batches on the read
@@ -62,6 +66,7 @@ from ..errors import CacheError
 from ..read.batcher import batches as run_batches
 from ..read.consumer import Consumer
 from .collate import Layout, PackedBytes, assemble, collate, layout_end, plan, tensors, values
+from .crossread import available as crossread_available
 from .rounds import WorkerBatches
 
 __all__ = ["RING_SLOTS", "BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "PackedBytes", "batched", "collate",
@@ -90,6 +95,7 @@ class BatchRing:
         self.path: str | None = None
         self.pin = pin  # the receiving process registers the mapping as pinned memory (``_SlotState.pin``)
         self.fallbacks = self.published = 0
+        self._held: dict[int, Any] = {}  # slot -> what its batch's values left in this process need (``hold``)
         if shared:
             self.path = _create_file(self.size)
             with open(self.path, "r+b") as f:
@@ -110,6 +116,7 @@ class BatchRing:
         if nbytes > self.slot_bytes:
             self.fallbacks += 1
             return None
+        self.holding()
         # The lowest free slot: recently freed memory is still in the CPU caches (a round robin
         # over all slots would write to memory that has long left them).
         slot = self._mm.find(b"\x00", 0, self.slots)
@@ -140,7 +147,20 @@ class BatchRing:
 
     def abandon(self, slot: int) -> None:
         """Give back a slot that was acquired but will not be published (its batch failed)."""
+        self._held.pop(slot, None)
         self._mm[slot] = _FREE
+
+    def hold(self, slot: int, keep: Any) -> None:
+        """Keep ``keep`` alive until ``slot`` is free again: the memory that a published batch's
+        ``remote`` columns point into, read by the consumer before it frees the slot."""
+        self._held[slot] = keep
+
+    def holding(self) -> bool:
+        """Drop what ``hold`` kept for slots that are free now; whether anything is still kept."""
+        if self._held:
+            for slot in [k for k in self._held if self._mm[k] == _FREE]:
+                del self._held[slot]
+        return bool(self._held)
 
     def in_use(self) -> int:
         """Slots currently held (by batches being filled or not yet freed by their consumer)."""
@@ -167,8 +187,15 @@ class RingCollator:
         self.shared, self.slots, self.pid = shared, slots, os.getpid()
         self.pin, self.bytes_views = pin, bytes_views
         self.ring: BatchRing | None = None
+        self._retired: list[BatchRing] = []  # rings grown out of that still hold memory for their batches
         self._tried = False
         self._growths = 0
+
+    @property
+    def cross_read(self) -> bool:
+        """Whether large bytes columns may stay in this process for the consumer to read
+        (``datacache.pytorch.crossread``): a shared ring's, where the system lets it."""
+        return self.shared and crossread_available(os.getppid())
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         batch = plan(samples, bytes_views=self.bytes_views)
@@ -185,7 +212,10 @@ class RingCollator:
             if bigger is not None:
                 self._growths += 1
                 self.ring.close()
+                self._retired.append(self.ring)
                 self.ring = bigger
+        if self._retired:
+            self._retired = [r for r in self._retired if r.holding()]
         return self.ring
 
     def _make(self, nbytes: int, variable: bool) -> BatchRing | None:
@@ -380,15 +410,16 @@ def _span(mm: mmap.mmap, base: int, nbytes: int, state: _SlotState, slot: int) -
     return buf
 
 
-def _values(state: _SlotState, mm: mmap.mmap, base: int, slot: int, fields: Layout) -> list[Any]:
-    """The values of the slot's fields (``datacache.pytorch.collate.values``); the slot is freed
-    when none of them views it any more (at once when none does: lists of bytes or str)."""
+def _values(state: _SlotState, mm: mmap.mmap, base: int, slot: int, fields: Layout, producer: int = 0) -> list[Any]:
+    """The values of the slot's fields (``datacache.pytorch.collate.values``; ``producer``: the
+    process whose memory ``remote`` columns point into); the slot is freed when none of them views
+    it any more (at once when none does: lists of bytes or str), after every value was read."""
     state.hold(slot, 1)
     if not fields:  # nothing views the slot (assemble takes none for such a batch)
         state.drop(slot)
         return []
     buf = _span(mm, base, layout_end(fields), state, slot)
-    return values(buf, fields)
+    return values(buf, fields, producer)
 
 
 # ---------------------------------------------------------------- consumer side (main process)
@@ -412,7 +443,7 @@ def _attach(path: str, size: int, offset: int, slot: int, fields: Layout, pin: b
             entry[1].pin()
     state = entry[1]
     state.poll()
-    return _values(state, state.mm, offset, slot, fields)
+    return _values(state, state.mm, offset, slot, fields, producer)
 
 
 def _attach_ring(producer: int, path: str, size: int) -> tuple[str, _SlotState]:

@@ -15,15 +15,19 @@ and calls a function per leaf type from a ``collate_fn_map``; it is run twice.
    ``values`` builds from the buffer (or what the ring hands out for it) where each one was.
 
 What comes out has default_collate's types: tensors of its dtypes and shapes; ``bytes`` and
-``str`` as lists of them (built from the buffer, in the receiving process, with one copy), or with
-``bytes_views`` as one ``PackedBytes`` per field, zero-copy views of the buffer; tuples become
+``str`` as lists of them (built from the buffer, in the receiving process, with one copy; a
+``remote`` bytes column's values copied once straight from the worker that found them, see
+``datacache.pytorch.crossread``), or with ``bytes_views`` as one ``PackedBytes`` per field,
+zero-copy views of the buffer; tuples become
 lists, as there. What default_collate refuses but a batch can carry stays a list of the values:
 arrays (tensors) of differing shapes (views of the buffer), arrays of strings or objects, None.
 
 Layout (``Field``): a fixed column is ``nbytes`` at ``offset``; a variable one's values are at
 ``offset`` (``nbytes`` in all), with its table at ``aux``: for ``bytes``/``str`` the ``n + 1``
-int64 offsets of the values (relative to ``offset``), for arrays the ``n`` int64 starts (each
-16-byte aligned) then the ``n x ndim`` int64 shapes. Every part starts 64-byte aligned.
+int64 offsets of the values (relative to ``offset``; for a ``remote`` column, ``offset`` holds
+the ``n`` int64 addresses of the values in the producing process instead of the values), for
+arrays the ``n`` int64 starts (each 16-byte aligned) then the ``n x ndim`` int64 shapes. Every
+part starts 64-byte aligned.
 
 Pure functions of their arguments; thread-safe.
 """
@@ -38,6 +42,9 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate as _walk
 from torch.utils.data._utils.collate import default_collate_fn_map
+
+from .crossread import read_values
+from .heap import reserve
 
 __all__ = ["Field", "Layout", "BatchPlan", "PackedBytes", "plan", "assemble", "collate", "values", "layout_end",
            "tensors"]
@@ -69,7 +76,8 @@ class Field(NamedTuple):
     pickle). ``kind``: "tensor" (fixed: ``shape`` is the batch tensor's), "bytes" or "str"
     (``shape`` is ``(n,)``), "arrays" or "tensors" (``shape`` is ``(n, ndim)``); see the module
     docstring for ``aux``. ``ascii``: every str value is ASCII; ``view``: bytes/str come as one
-    ``PackedBytes``."""
+    ``PackedBytes``; ``remote``: a bytes column whose values stay in the producing process, the
+    buffer holding each one's address there (``datacache.pytorch.crossread``)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -79,6 +87,7 @@ class Field(NamedTuple):
     aux: int = 0
     ascii: bool = False
     view: bool = False
+    remote: bool = False
 
 
 def _up(n: int, to: int = _ALIGN) -> int:
@@ -341,20 +350,24 @@ def _dtype(name: str) -> np.dtype:
     return d
 
 
-def values(buf: Any, fields: Layout) -> list[Any]:
+def values(buf: Any, fields: Layout, producer: int = 0) -> list[Any]:
     """What each column of the buffer ``buf`` becomes (see the module docstring): tensors and
-    arrays viewing ``buf`` (so keeping it alive), lists of bytes or str copied out of it, or
-    ``PackedBytes`` views."""
-    return [torch.from_numpy(field_array(buf, f)) if f.kind == "tensor" else _var_value(buf, f) for f in fields]
+    arrays viewing ``buf`` (so keeping it alive), lists of bytes or str copied out of it (or, for
+    a ``remote`` column, out of process ``producer``), or ``PackedBytes`` views."""
+    return [torch.from_numpy(field_array(buf, f)) if f.kind == "tensor" else _var_value(buf, f, producer)
+            for f in fields]
 
 
-def _var_value(buf: Any, f: Field) -> Any:
+def _var_value(buf: Any, f: Field, producer: int = 0) -> Any:
     n = f.shape[0]
     if f.kind in ("bytes", "str"):
         offsets = np.frombuffer(buf, np.int64, n + 1, f.aux)
         if f.view:
             data = np.frombuffer(buf, np.uint8, f.nbytes, f.offset) if f.nbytes else np.zeros(0, np.uint8)
             return PackedBytes(torch.from_numpy(data), torch.from_numpy(offsets), f.kind)
+        reserve(int(offsets[-1]))  # the values' memory stays warm from batch to batch
+        if f.remote:
+            return read_values(producer, np.frombuffer(buf, np.int64, n, f.offset), np.diff(offsets))
         with memoryview(buf) as whole:
             return _copied(whole.cast("B")[f.offset:f.offset + f.nbytes], offsets.tolist(), f.kind, f.ascii)
     ndim = f.shape[1]

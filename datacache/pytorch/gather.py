@@ -12,7 +12,10 @@ batch is a slice of those positions; ``Gatherer`` writes it into a slot of the b
   takes its rows from as many blocks as it has rows, so grouping rows by block would cost a call
   per row); rows of 4 KiB and more are copied by one ``memmove`` each instead;
 - per variable field (bytes, str, arrays of differing shapes), its offsets table computed with
-  numpy and one ``memmove`` per row, without the GIL's release;
+  numpy and one ``memmove`` per row, without the GIL's release; a ``bytes`` field whose values
+  average ``crossread.MIN_MEAN_BYTES`` or more, in a shared ring where the system allows it, gets
+  its values' addresses instead of their bytes, and the batch's tables are kept alive with its
+  slot (``datacache.pytorch.crossread``: the training process copies the values itself);
 
 so no Python object is made per sample, and the layout and the values handed out are those of
 the per-sample collation (``datacache.pytorch.collate``): what ``default_collate`` gives. A step
@@ -37,6 +40,7 @@ from ..errors import ReaderError
 from ..read.batcher import batches as run_batches
 from ..readers.columns import Columns, address_view
 from .collate import _ROW_ALIGN, Field, _up, values, var_field
+from .crossread import MIN_MEAN_BYTES
 
 if TYPE_CHECKING:
     from ..read.consumer import Consumer, Step
@@ -164,27 +168,15 @@ class Gatherer:
                     return self._per_sample(pieces)
                 addr, size, shape = (np.concatenate([p[k] for p in parts]) for k in range(3))
             plan.append((name, addr, size, shape))
-        fields, pos = [], 0
-        views = self.collator.bytes_views
-        for name, _, size, shape in plan:
-            kind, dtype = t0.kinds[name], np.dtype(t0.dtypes[name])
-            if kind == "ndarray" and not (dtype.kind in _GOOD_KINDS and dtype.isnative):
-                return self._per_sample(pieces)  # collated as default_collate would, value by value
-            if kind in ("int", "float") or (kind == "ndarray" and (shape == shape[0]).all()):
-                row = int(size[0])
-                full = (n, *shape[0].tolist())
-                fields.append(Field(dtype.str, full, pos, n * row))
-                pos += _up(n * row)
-            elif kind in ("bytes", "str"):
-                f, pos = var_field(kind, "|u1", n, 0, pos, int(size.sum()), view=views)
-                fields.append(f)
-            else:  # arrays of differing shapes
-                padded = -(-size // _ROW_ALIGN) * _ROW_ALIGN
-                f, pos = var_field("arrays", dtype.str, n, shape.shape[1], pos, int(padded.sum()))
-                fields.append(f)
+        laid = self._layout(t0, plan, n, self.collator.cross_read)
+        if laid is None:
+            return self._per_sample(pieces)  # collated as default_collate would, value by value
+        fields, pos = laid
         variable = any(f.kind != "tensor" for f in fields)
         ring = self.collator.ring_for(pos, variable)
         slot = ring.acquire(pos) if ring is not None and fields else None
+        if slot is None and any(f.remote for f in fields):  # no slot: the values go in the batch itself
+            fields, pos = self._layout(t0, plan, n, False)  # type: ignore[misc]
         buf = ring.buffer(slot) if slot is not None else np.empty(max(pos, 1), np.uint8)  # type: ignore[union-attr]
         try:
             fields = [self._fill(buf, f, addr, size, shape, name) for f, (name, addr, size, shape) in zip(fields, plan)]
@@ -192,8 +184,41 @@ class Gatherer:
             if slot is not None:
                 ring.abandon(slot)  # type: ignore[union-attr]
             raise
-        made = ring.publish(slot, tuple(fields)) if slot is not None else values(buf, tuple(fields))  # type: ignore[union-attr]
-        return dict(zip(t0.kinds, made))
+        if slot is None:
+            return dict(zip(t0.kinds, values(buf, tuple(fields))))
+        if any(f.remote for f in fields):
+            ring.hold(slot, pieces)  # type: ignore[union-attr]  # the tables keep the values' memory alive
+        return dict(zip(t0.kinds, ring.publish(slot, tuple(fields))))  # type: ignore[union-attr]
+
+    def _layout(self, t0: _StepTable, plan: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]], n: int,
+                cross: bool) -> tuple[list[Field], int] | None:
+        """The batch's fields and its size (None: a dtype to collate value by value). ``cross``:
+        large bytes columns stay where they are (``remote``: their addresses in the batch)."""
+        fields: list[Field] = []
+        pos = 0
+        views = self.collator.bytes_views
+        for name, _, size, shape in plan:
+            kind, dtype = t0.kinds[name], np.dtype(t0.dtypes[name])
+            if kind == "ndarray" and not (dtype.kind in _GOOD_KINDS and dtype.isnative):
+                return None
+            if kind in ("int", "float") or (kind == "ndarray" and (shape == shape[0]).all()):
+                row = int(size[0])
+                full = (n, *shape[0].tolist())
+                fields.append(Field(dtype.str, full, pos, n * row))
+                pos += _up(n * row)
+            elif kind in ("bytes", "str"):
+                total = int(size.sum())
+                if cross and kind == "bytes" and not views and total >= MIN_MEAN_BYTES * n:
+                    f, pos = var_field(kind, "|u1", n, 0, pos, 8 * n)
+                    fields.append(f._replace(remote=True))
+                else:
+                    f, pos = var_field(kind, "|u1", n, 0, pos, total, view=views)
+                    fields.append(f)
+            else:  # arrays of differing shapes
+                padded = -(-size // _ROW_ALIGN) * _ROW_ALIGN
+                f, pos = var_field("arrays", dtype.str, n, shape.shape[1], pos, int(padded.sum()))
+                fields.append(f)
+        return fields, pos
 
     def _fixed(self, pieces: list[Piece]) -> Any:
         """A batch whose fields all have one size in its steps: its layout known by its row count,
@@ -240,6 +265,9 @@ class Gatherer:
             offsets = np.frombuffer(buf, np.int64, n + 1, f.aux)
             offsets[0] = 0
             np.cumsum(size, out=offsets[1:])
+            if f.remote:  # each value's address here, read from this process by the consumer
+                np.frombuffer(buf, np.int64, n, f.offset)[:] = addr
+                return f
             _copy_each(addr, size, base + offsets[:-1])
             if f.kind == "str":
                 data = buf[f.offset:f.offset + f.nbytes]

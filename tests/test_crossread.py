@@ -1,0 +1,153 @@
+"""Large ``bytes`` values read by the training process straight from their DataLoader worker's
+memory (``datacache.pytorch.crossread``): real processes, real batches, the slot's kept memory."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import pickle
+import subprocess
+import sys
+import weakref
+
+import numpy as np
+import pytest
+
+import datacache
+from datacache import NodeCache, StreamingDataset, write_dataset
+from datacache.errors import CacheError
+from datacache.pytorch import crossread
+from datacache.pytorch.batches import RingCollator
+from datacache.pytorch.collate import Field
+
+pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+              pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")]
+
+_HOLDER = """
+import ctypes, json, sys
+values = [bytes([k % 251]) * n for k, n in enumerate(json.loads(sys.argv[1]))]
+print(json.dumps([ctypes.cast(v, ctypes.c_void_p).value for v in values]), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_values_are_read_from_another_process_and_a_gone_one_is_named() -> None:
+    """Empty, one-byte, large and more than 1,024 values (several system calls), each a new
+    ``bytes`` equal to the other process's; once that process is gone, an error naming it."""
+    sizes = [0, 1, 2, 70_000, 0, 5] + [17] * 1500
+    child = subprocess.Popen([sys.executable, "-c", _HOLDER, json.dumps(sizes)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        addrs = np.array(json.loads(child.stdout.readline()), np.int64)  # type: ignore[union-attr]
+        before = crossread.values_read()
+        got = crossread.read_values(child.pid, addrs, np.array(sizes, np.int64))
+        assert got == [bytes([k % 251]) * n for k, n in enumerate(sizes)]
+        assert all(type(v) is bytes for v in got) and crossread.values_read() == before + len(sizes)
+        assert len({id(v) for v in got if len(v) > 1}) == sum(n > 1 for n in sizes), "each value its own object"
+    finally:
+        child.communicate("")
+    with pytest.raises(CacheError) as info:
+        crossread.read_values(child.pid, addrs[3:4], np.array([70_000], np.int64))
+    assert f"pid {child.pid}" in str(info.value) and "DATACACHE_CROSS_READ=0" in str(info.value)
+
+
+def test_a_slot_keeps_its_batch_s_memory_until_it_is_free_even_after_the_ring_grows() -> None:
+    collator = RingCollator(shared=True, slots=2)
+    ring = collator.ring_for(4096)
+    assert ring is not None
+    slot = ring.acquire(64)
+    assert slot is not None
+
+    class Keep:
+        pass
+    keep = Keep()
+    gone = weakref.ref(keep)
+    ring.hold(slot, keep)
+    handles = ring.publish(slot, (Field("|u1", (64,), 0, 64),))
+    del keep
+    tensors = pickle.loads(pickle.dumps(handles))  # the consumer's side: a view of the slot
+    bigger = collator.ring_for(1 << 20)  # a larger batch: a new ring; the old one's batch is alive
+    assert bigger is not ring and ring.holding() and gone() is not None
+    del tensors
+    gc.collect()
+    collator.ring_for(64)
+    assert gone() is None and not collator._retired, "the slot is free: what it kept is dropped"
+    collator.close()
+
+
+def _blob(i: int) -> bytes:
+    """Sample ``i``'s value: 0 to 40 KB, incompressible or zeros (raw and compressed blocks)."""
+    n = (i * 7919) % 40_000 if i % 9 else i % 2
+    return np.random.default_rng(i).bytes(n) if i // 16 % 2 else bytes(n)
+
+
+@pytest.fixture(scope="module")
+def blobs(tmp_path_factory: pytest.TempPathFactory) -> str:
+    url = f"file://{tmp_path_factory.mktemp('blobs')}/ds"
+    write_dataset(({"blob": _blob(i), "name": f"s{i}", "id": i} for i in range(300)), url, shard_bytes=1_000_000,
+                  writer_options={"block_bytes": 64_000}, progress=False)
+    return url
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("cross", ["1", "0"])
+def test_large_bytes_values_come_exactly_once_read_from_their_worker(blobs: str, cache: NodeCache, cross: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers, a cold and a warm epoch: every batch's bytes are the written ones, every
+    sample once; read from the workers' memory (``cross`` 1, where this system allows it) or
+    through the slot (0: ``DATACACHE_CROSS_READ=0``)."""
+    monkeypatch.setenv("DATACACHE_CROSS_READ", cross)
+    ds = StreamingDataset(blobs, cache=cache, seed=5)
+    loader = datacache.DataLoader(ds, batch_size=16, num_workers=2, persistent_workers=True)
+    before = crossread.values_read()
+    try:
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            ids: list[int] = []
+            for b in loader:
+                got = b["id"].tolist()
+                assert b["blob"] == [_blob(i) for i in got] and b["name"] == [f"s{i}" for i in got]
+                ids += got
+            assert sorted(ids) == list(range(300)), f"epoch {epoch}: not exactly once"
+    finally:
+        del loader
+        ds.close()
+    read = crossread.values_read() - before
+    if cross == "0" or not crossread.available(os.getpid()):
+        assert read == 0
+    else:
+        assert read > 0, "no value was read from a worker"
+
+
+
+_HEAP = """
+import ctypes, sys
+from datacache.pytorch import heap
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+if sys.argv[1] == "reserve":
+    heap.reserve(32 * 65536)
+given = []
+for batch in range(3):
+    values = [bytes(65536) for _ in range(32)]  # a batch of values, dropped a step later
+    peak = libc.mallinfo2().arena
+    del values
+    given.append(peak - libc.mallinfo2().arena)  # heap memory given back to the system
+print(max(given))
+"""
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="glibc >= 2.33 only (mallinfo2)")
+def test_the_heap_keeps_a_batch_of_values_warm_once_reserved() -> None:
+    """A fresh process drops a batch of 32 x 64 KiB values three times: glibc gives the memory
+    back to the system each time (the next batch faults in fresh pages), unless ``heap.reserve``
+    sized it for the batch first."""
+    def given(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _HEAP, mode], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+        return int(out.stdout)
+    assert given("plain") >= 32 * 65536 // 2 and given("reserve") == 0
