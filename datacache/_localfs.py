@@ -3,6 +3,8 @@ the kernel when their holder dies, pins, pid checks and the atomic local replace
 
 - ``KeyLock``: one exclusive lock file per key; whoever holds it is the only one fetching,
   promoting or demoting that key on this node. Waiters block in the kernel (no polling).
+- ``RangeLock``: exclusive locks on byte ranges of one lock file (the units of a partial copy),
+  so that many small locks cost no file each.
 - Pins: a reader holds a shared lock on a file itself (``try_pin``); an evictor must take an
   exclusive lock without blocking (``lock_nonblocking``), so a pinned file is never removed from
   under its reader.
@@ -18,6 +20,7 @@ import errno
 import fcntl
 import os
 import stat
+import struct
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -26,8 +29,9 @@ import xxhash
 
 from .errors import CacheError
 
-__all__ = ["BUSY", "GONE", "NO_SPACE_ERRNOS", "KeyLock", "ensure_private_dir", "key_id", "lock_nonblocking",
-           "pid_alive", "pinned_files", "remove_if_exists", "replace_local", "try_pin", "unlock_close"]
+__all__ = ["BUSY", "GONE", "NO_SPACE_ERRNOS", "KeyLock", "RangeLock", "ensure_private_dir", "key_id",
+           "lock_nonblocking", "pid_alive", "pinned_files", "remove_if_exists", "replace_local", "try_pin",
+           "unlock_close"]
 
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -96,6 +100,34 @@ class KeyLock:
             yield self
         finally:
             self.release()
+
+
+_FLOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock (64-bit Linux): type, whence, start, len, pid
+
+
+class RangeLock:
+    """Exclusive locks on byte ranges of the file ``path``, across threads and processes: Linux
+    open-file-description locks (``F_OFD_SETLKW``), which belong to an open file as ``flock``'s do,
+    so each ``held`` opens the file anew and two threads of one process exclude each other as two
+    processes do. Waiters block in the kernel; a holder that dies releases its range with its
+    descriptors. Creating a lock file is what a lock costs on a disk's file system (a journal
+    entry each): one file serves every range of a key."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @contextmanager
+    def held(self, start: int, length: int) -> Iterator[None]:
+        """Hold bytes ``[start, start + length)`` for the block (they need not exist in the file)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
+            try:
+                yield
+            finally:  # explicitly: a forked child may share the open file description
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, start, length, 0))
+        finally:
+            os.close(fd)
 
 
 def unlock_close(fd: int) -> None:

@@ -21,12 +21,14 @@ Files, per key id ``kid``:
 - ``<lock dir>/<kid>.part``: the state, written once the fixed ranges are in (temp file and
   ``os.replace``): a header naming the scratch file and its identity (device and inode), then one
   byte per unit (1: filled), mapped shared by every process using it.
-- ``<lock dir>/<kid>.u<n>.lock``: one kernel ``flock`` per unit (``datacache._localfs.KeyLock``), held by the one
-  thread on the node that is fetching unit ``n``; ``u0``: creating the copy (the fixed ranges),
-  or completing it. Waiters block in the kernel; a fetcher that dies releases its units with its
+- ``<lock dir>/<kid>.units.lock``: byte ``n`` of it locked (``datacache._localfs.RangeLock``: one
+  file for every unit, where a file per unit cost a file creation on the control directory's disk
+  per unit fetched) by the one thread on the node that is fetching unit ``n``, a run of units one
+  range; ``<lock dir>/<kid>.u0.lock`` (``KeyLock``): creating the copy (the fixed ranges), or
+  completing it. Waiters block in the kernel; a fetcher that dies releases its units with its
   file descriptors. These locks are the single flight of a fetch, held for its duration as
-  ``KeyLock`` is held for a whole download; no other lock is held during I/O. The unit locks go
-  with a completed copy; ``u0`` stays, as a key's lock file does.
+  ``KeyLock`` is held for a whole download; no other lock is held during I/O. The units' lock
+  file goes with a completed copy; ``u0`` stays, as a key's lock file does.
 
 A unit's byte is set after its bytes are written (``os.pwrite``), so a reader that sees it set
 reads the unit's bytes. A process that dies mid-fill leaves the scratch copy and its state: the
@@ -57,7 +59,7 @@ from ..readers.errors import ReaderError
 if TYPE_CHECKING:  # a partial copy is filled for a NodeCache, which it only calls
     from .node import NodeCache
 
-from .._localfs import NO_SPACE_ERRNOS, KeyLock, key_id, remove_if_exists
+from .._localfs import NO_SPACE_ERRNOS, KeyLock, RangeLock, key_id, remove_if_exists
 
 __all__ = ["PartialShard", "PartialGone", "Fetch", "LayoutOf"]
 
@@ -87,6 +89,7 @@ class PartialShard:
         self._layout_of, self.name = layout_of, name
         self._kid = key_id(key)
         self._state_path = os.path.join(cache.lock_dir, f"{self._kid}.part")
+        self._units_lock = os.path.join(cache.lock_dir, f"{self._kid}.units.lock")
         self._lock = threading.Lock()  # guards the attachment below (no I/O under it but the attach)
         self.layout: ShardLayout | None = None
         self.path: str | None = None
@@ -277,12 +280,8 @@ class PartialShard:
     def _fill_run(self, run: list[int], fetch: Fetch) -> None:
         """Fetch the units ``run`` (consecutive) that are still missing once their locks are held."""
         assert self.layout is not None
-        locks = [KeyLock(self.cache.lock_dir, f"{self._kid}.u{u + 1}") for u in run]
-        held: list[KeyLock] = []
-        try:
-            for lock in locks:  # ascending unit order on every thread: no cycle of waits
-                lock.acquire()
-                held.append(lock)
+        # One range: a thread holds no other unit while it waits, so no cycle of waits.
+        with RangeLock(self._units_lock).held(run[0], run[-1] + 1 - run[0]):
             todo = [u for u in run if not self.filled(u)]
             while todo:  # runs of still-missing units, each one ranged read
                 part = [todo.pop(0)]
@@ -302,9 +301,6 @@ class PartialShard:
                 assert self._state is not None
                 for u in part:
                     self._state[self._base + u] = 1
-        finally:
-            for lock in held:
-                lock.release()
 
     def complete(self) -> bool:
         """Whether every unit is in (thread-safe; reads the shared state)."""
@@ -335,8 +331,7 @@ class PartialShard:
             finally:
                 remove_if_exists(self._state_path)
                 remove_if_exists(path)
-        for u in range(len(self.layout.spans)):  # a waiter on one re-checks its byte: filled
-            remove_if_exists(os.path.join(self.cache.lock_dir, f"{self._kid}.u{u + 1}.lock"))
+        remove_if_exists(self._units_lock)  # a waiter on a unit re-checks its byte: filled
 
     def __del__(self) -> None:
         self.close()

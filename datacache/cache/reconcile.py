@@ -28,7 +28,7 @@ __all__ = ["NodeLock", "reconcile", "clear"]
 
 log = logging.getLogger("datacache.cache.node")
 _PART_STATE = re.compile(r"[0-9a-f]{32}\.part(\.\d+\.tmp)?$")  # datacache.cache.partial's state (and its temp)
-_UNIT_LOCK = re.compile(r"[0-9a-f]{32}\.u[1-9]\d*\.lock$")
+_UNIT_LOCK = re.compile(r"[0-9a-f]{32}\.(units|u[1-9]\d*)\.lock$")  # u<n>: one file per unit, as once
 _held: "weakref.WeakSet[NodeLock]" = weakref.WeakSet()  # this process's joined node locks
 
 
@@ -143,7 +143,7 @@ def reconcile(index: Index, tiers: Mapping[str, Tier], pass_dir: str, lock_dir: 
 
 def _remove_part_states(lock_dir: str) -> int:
     """Remove the partial copies' states (``<kid>.part``, and a temp one a writer left) and unit
-    locks (``<kid>.u<n>.lock``, but ``u0``, which stays as a key's lock does) from ``lock_dir``;
+    locks (``<kid>.units.lock``; not ``u0``, which stays as a key's lock does) from ``lock_dir``;
     how many states went. Their scratch files are ``.tmp-`` files: ``_scan`` removes them."""
     removed = 0
     for de in os.scandir(lock_dir):

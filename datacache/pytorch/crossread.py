@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from .._bytes import data_address, fresh
 from ..errors import CacheError
 
 __all__ = ["MIN_MEAN_BYTES", "available", "read_values", "values_read"]
@@ -43,10 +44,6 @@ _ENV = "DATACACHE_CROSS_READ"
 
 _libc: ctypes.CDLL | None = None
 _checked: dict[tuple[int, int], bool] = {}  # (this pid, consumer pid) -> available
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # NULL: a new object of that size to fill
-_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-_new_bytes.restype = ctypes.py_object
-_DATA = bytes.__basicsize__ - 1  # where a bytes object's data lies from its address (CPython)
 _count_lock = threading.Lock()
 _values_read = 0
 
@@ -129,11 +126,11 @@ def read_values(pid: int, addrs: np.ndarray, lengths: np.ndarray) -> list[bytes]
         raise CacheError("this system cannot read another process's memory, yet a batch's values were left "
                          "in its DataLoader worker's", url=f"pid {pid}", hint=f"set {_ENV}=0")
     sizes = lengths.tolist()
-    out = [_new_bytes(None, n) if n else b"" for n in sizes]
+    out = [fresh(n)[0] for n in sizes]  # filled below, before anyone sees them
     # local iovecs: each new object's data; remote: the worker's addresses (empty values left out)
     keep = lengths > 0
     iov = np.empty((int(keep.sum()), 4), np.uint64)
-    iov[:, 0] = np.fromiter((id(b) + _DATA for b, n in zip(out, sizes) if n), np.uint64, len(iov))
+    iov[:, 0] = np.fromiter((data_address(b) for b, n in zip(out, sizes) if n), np.uint64, len(iov))
     iov[:, 1] = iov[:, 3] = lengths[keep]
     iov[:, 2] = addrs[keep]
     _read_iov(fn, pid, iov)

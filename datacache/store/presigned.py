@@ -5,8 +5,9 @@ Through s3fs a ranged GET costs the fetching process about 1.5 ms of CPU before 
 a coroutine wake-up for every chunk the socket delivers. ``PresignedRanges`` signs each object's
 URL once (``sign(path, seconds)``: s3fs's ``S3FileSystem.sign``, the same credentials, endpoint and
 addressing) and reads every range of it with a plain HTTP GET and a ``Range`` header on a urllib3
-pool, the body read with ``readinto`` in the calling thread. On by default for S3 where ``usable``
-(``TransferConfig.presigned``).
+pool, the body read in the calling thread with the HTTP response's own ``readinto`` (urllib3's
+copies each piece once more) straight into the ``bytes`` returned (``datacache._bytes.fresh``: no
+zero-filled buffer, no copy after). On by default for S3 where ``usable`` (``TransferConfig.presigned``).
 
 What it answers itself: ``206`` (the bytes), ``416`` (an error whose S3 code is ``InvalidRange``,
 as s3fs raises it), ``429``/``5xx`` (an error carrying the status and the S3 code of the body, so
@@ -47,6 +48,7 @@ from typing import Any
 import urllib3
 from urllib3.exceptions import HTTPError as Urllib3Error
 
+from .._bytes import fresh
 from ..errors import ReadCancelledError
 
 __all__ = ["PresignedRanges", "RangeAnswerError", "POLL", "GIVE_UP", "usable"]
@@ -347,12 +349,14 @@ class PresignedRanges:
             self.forget(path)
             self._refused_once(f"HTTP {resp.status} with {size} bytes to a ranged GET of {want} of {path}")
             return None
-        buf = bytearray(size)
-        view = memoryview(buf)
+        body, view = fresh(size)  # read once, into the bytes returned: no zeroing, no copy after
+        # http.client's own readinto fills the view; urllib3's reads into a new bytes and copies
+        raw = getattr(resp, "_fp", None) if not resp.headers.get("Content-Encoding") else None
+        readinto = raw.readinto if hasattr(raw, "readinto") else resp.readinto
         got = 0
         try:
             while got < size:
-                n = resp.readinto(view[got:got + _PIECE])
+                n = readinto(view[got:got + _PIECE])
                 if not n:
                     break
                 got += n
@@ -362,7 +366,7 @@ class PresignedRanges:
         if got < size:
             _raise_cancelled(cancelled, path)
             raise ConnectionResetError(f"the connection ended after {got} of {size} bytes of a ranged GET of {path}")
-        return bytes(buf)
+        return body
 
 
 def _never() -> bool:
