@@ -5,11 +5,13 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import mmap
 import os
 import pickle
 import subprocess
 import sys
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from datacache.errors import CacheError
 from datacache.pytorch import crossread
 from datacache.pytorch.batches import RingCollator
 from datacache.pytorch.collate import Field
+from datacache.pytorch.gather import _file_backed
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
               pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")]
@@ -76,29 +79,34 @@ def test_a_slot_keeps_its_batch_s_memory_until_it_is_free_even_after_the_ring_gr
     collator.close()
 
 
-def _blob(i: int) -> bytes:
-    """Sample ``i``'s value: 0 to 40 KB, incompressible or zeros (raw and compressed blocks)."""
+def _blob(i: int, raw: bool = True) -> bytes:
+    """Sample ``i``'s value: 0 to 40 KB, incompressible (raw blocks, read in place) or zeros
+    (compressed blocks, decompressed in the worker)."""
     n = (i * 7919) % 40_000 if i % 9 else i % 2
-    return np.random.default_rng(i).bytes(n) if i // 16 % 2 else bytes(n)
+    return np.random.default_rng(i).bytes(n) if raw else bytes(n)
 
 
-@pytest.fixture(scope="module")
-def blobs(tmp_path_factory: pytest.TempPathFactory) -> str:
+@pytest.fixture(scope="module", params=["raw", "compressed"])
+def blobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, bool]:
+    raw = request.param == "raw"
     url = f"file://{tmp_path_factory.mktemp('blobs')}/ds"
-    write_dataset(({"blob": _blob(i), "name": f"s{i}", "id": i} for i in range(300)), url, shard_bytes=1_000_000,
-                  writer_options={"block_bytes": 64_000}, progress=False)
-    return url
+    write_dataset(({"blob": _blob(i, raw), "name": f"s{i}", "id": i} for i in range(300)), url,
+                  shard_bytes=1_000_000, writer_options={"block_bytes": 64_000}, progress=False)
+    return url, raw
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("cross", ["1", "0"])
-def test_large_bytes_values_come_exactly_once_read_from_their_worker(blobs: str, cache: NodeCache, cross: str,
+def test_large_bytes_values_come_exactly_once_read_from_their_worker(blobs: tuple[str, bool], cache: NodeCache,
+                                                                     cross: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Two workers, a cold and a warm epoch: every batch's bytes are the written ones, every
-    sample once; read from the workers' memory (``cross`` 1, where this system allows it) or
-    through the slot (0: ``DATACACHE_CROSS_READ=0``)."""
+    sample once. Values in raw blocks are read from the workers' memory (``cross`` 1, where this
+    system allows it); through the slot with ``DATACACHE_CROSS_READ=0``, and where they were
+    decompressed (kept for the consumer, a block's buffer a batch would be memory held)."""
+    url, raw = blobs
     monkeypatch.setenv("DATACACHE_CROSS_READ", cross)
-    ds = StreamingDataset(blobs, cache=cache, seed=5)
+    ds = StreamingDataset(url, cache=cache, seed=5)
     loader = datacache.DataLoader(ds, batch_size=16, num_workers=2, persistent_workers=True)
     before = crossread.values_read()
     try:
@@ -107,18 +115,29 @@ def test_large_bytes_values_come_exactly_once_read_from_their_worker(blobs: str,
             ids: list[int] = []
             for b in loader:
                 got = b["id"].tolist()
-                assert b["blob"] == [_blob(i) for i in got] and b["name"] == [f"s{i}" for i in got]
+                assert b["blob"] == [_blob(i, raw) for i in got] and b["name"] == [f"s{i}" for i in got]
                 ids += got
             assert sorted(ids) == list(range(300)), f"epoch {epoch}: not exactly once"
     finally:
         del loader
         ds.close()
     read = crossread.values_read() - before
-    if cross == "0" or not crossread.available(os.getpid()):
+    if cross == "0" or not raw or not crossread.available(os.getpid()):
         assert read == 0
     else:
         assert read > 0, "no value was read from a worker"
 
+
+def test_only_file_mappings_count_as_memory_kept_for_free(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(8192))
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    whole = np.frombuffer(m, np.uint8)
+    assert _file_backed(whole) and _file_backed(memoryview(whole)[10:20]) and _file_backed(memoryview(m)[5:])
+    assert not _file_backed(memoryview(bytearray(10))) and not _file_backed(np.zeros(4)) and not _file_backed(b"x")
+    del whole
+    m.close()
 
 
 _HEAP = """

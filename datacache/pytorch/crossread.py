@@ -4,15 +4,16 @@ A ``bytes`` value handed to the user must be a ``bytes`` object of the training 
 copied there once whatever happens. Through the ring (``datacache.pytorch.batches``) it is copied
 twice: by the worker, from the cached shard into the batch's slot, then by the training process,
 out of the slot into the new object. For large values (encoded images, documents) the first copy
-is half of the loader's CPU. Here the worker writes only each value's address in its own memory
+is a pass over every byte that buys nothing. Here the worker writes only each value's address in its own memory
 and its length into the slot, keeps what the addresses point into alive (``BatchRing.hold``),
 and the training process copies each value with ``process_vm_readv(2)`` straight into the new
 ``bytes`` object: one copy, one system call per 1,024 values.
 
 Where it works (``available``, asked once per worker): Linux; the system call not refused (a
-seccomp filter); the Yama ptrace scope 0 or 1, with the worker naming the training process its
-tracer (``PR_SET_PTRACER``) so that a worker that is not its child (``forkserver``) may be read
-too; ``DATACACHE_CROSS_READ`` not ``0``. Elsewhere the values go through the slot as before.
+seccomp filter); the Yama ptrace scope 0 or 1 (1 lets a process read its descendants, and a
+DataLoader's workers are the training process's children, or its grandchildren under
+``forkserver``); ``DATACACHE_CROSS_READ`` not ``0``. Elsewhere the values go through the slot as
+before.
 
 Invariant: a value is read before its slot is free, and the worker drops what keeps its value's
 memory alive only once the slot is free (``BatchRing.hold``): so the memory read is the value's.
@@ -39,7 +40,6 @@ __all__ = ["MIN_MEAN_BYTES", "available", "read_values", "values_read"]
 
 MIN_MEAN_BYTES = 4096  # a bytes column read across processes when its values average this much
 _IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux's UIO_MAXIOV)
-_PR_SET_PTRACER = 0x59616D61
 _ENV = "DATACACHE_CROSS_READ"
 
 _libc: ctypes.CDLL | None = None
@@ -76,8 +76,8 @@ def _yama_scope() -> int:
 
 
 def available(consumer: int) -> bool:
-    """Whether process ``consumer`` (the training process) can read this process's values (see
-    the module docstring); lets it where Yama asks. Cached per process."""
+    """Whether process ``consumer`` (the training process, an ancestor of this one) can read this
+    process's values (see the module docstring). Cached per process."""
     key = (os.getpid(), consumer)
     known = _checked.get(key)
     if known is None:
@@ -97,10 +97,6 @@ def _probe(consumer: int) -> bool:
                                 ctypes.cast(probe, ctypes.c_void_p).value or 0, len(probe))
     if fn(os.getpid(), ctypes.byref(iov), 1, ctypes.byref(iov, 16), 1, 0) != len(probe) or out.raw != probe:
         return False  # refused here (seccomp, no such call): it would be there too
-    if _yama_scope() == 1 and os.getppid() != consumer:
-        prctl = getattr(_libc, "prctl", None)
-        if prctl is None or prctl(_PR_SET_PTRACER, ctypes.c_ulong(consumer), 0, 0, 0) != 0:
-            return False
     return True
 
 

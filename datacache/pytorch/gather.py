@@ -13,9 +13,10 @@ batch is a slice of those positions; ``Gatherer`` writes it into a slot of the b
   per row); rows of 4 KiB and more are copied by one ``memmove`` each instead;
 - per variable field (bytes, str, arrays of differing shapes), its offsets table computed with
   numpy and one ``memmove`` per row, without the GIL's release; a ``bytes`` field whose values
-  average ``crossread.MIN_MEAN_BYTES`` or more, in a shared ring where the system allows it, gets
-  its values' addresses instead of their bytes, and the batch's tables are kept alive with its
-  slot (``datacache.pytorch.crossread``: the training process copies the values itself);
+  average ``crossread.MIN_MEAN_BYTES`` or more, in a shared ring where the system allows it and
+  with every row in a mapped file (raw blocks: keeping them costs no memory), gets its values'
+  addresses instead of their bytes, and the batch's tables are kept alive with its slot
+  (``datacache.pytorch.crossread``: the training process copies the values itself);
 
 so no Python object is made per sample, and the layout and the values handed out are those of
 the per-sample collation (``datacache.pytorch.collate``): what ``default_collate`` gives. A step
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +81,18 @@ def copy_rows(addr: np.ndarray, row: int, out: np.ndarray, span: tuple[int, int]
     _memmove(dst, int(got.ctypes.data), n * row)
 
 
+def _file_backed(buf: Any) -> bool:
+    """Whether ``buf`` (an array or memoryview, through its bases) views a file mapping: memory that
+    costs nothing more kept a while (a decompressed block's buffer would be one more per batch)."""
+    for _ in range(8):
+        if isinstance(buf, mmap.mmap):
+            return True
+        buf = getattr(buf, "base", None) if isinstance(buf, np.ndarray) else getattr(buf, "obj", None)
+        if buf is None:
+            return False
+    return False
+
+
 def _copy_each(addr: np.ndarray, size: np.ndarray, dst: np.ndarray) -> None:
     """``size[i]`` bytes from ``addr[i]`` to ``dst[i]``, for each i (one ``memmove`` each)."""
     for s, d, n in zip(addr.tolist(), dst.tolist(), size.tolist()):
@@ -96,6 +110,8 @@ class _StepTable:
         self.regular = all(isinstance(t, Columns) for t in tables)
         if not self.regular:
             return
+        # every row in a mapped file: a batch's values may stay there for the consumer (crossread)
+        self.mapped = all(t.keep and all(_file_backed(k) for k in t.keep) for t in tables)  # type: ignore[union-attr]
         first = tables[0].fields
         self.kinds = {name: c.kind for name, c in first.items()}
         self.dtypes = {name: c.dtype for name, c in first.items()}
@@ -168,7 +184,7 @@ class Gatherer:
                     return self._per_sample(pieces)
                 addr, size, shape = (np.concatenate([p[k] for p in parts]) for k in range(3))
             plan.append((name, addr, size, shape))
-        laid = self._layout(t0, plan, n, self.collator.cross_read)
+        laid = self._layout(t0, plan, n, self.collator.cross_read and all(t.mapped for t in tables))
         if laid is None:
             return self._per_sample(pieces)  # collated as default_collate would, value by value
         fields, pos = laid
