@@ -98,7 +98,8 @@ def test_global_placement_a_second_job_and_a_killed_peer(s3_server: Any, slowlin
         gets = snaps[0]["gets"]  # a GET a shard (~8 KB: the answers' headers add ~10 %), the manifest once a rank
         print(f"epoch 1: {gets} GETs at the store for {len(m.shards)} shards")
         assert d <= store_a[0] <= 1.15 * d and gets <= len(m.shards) + 8, "epoch 1: one download a shard for the job"
-        assert store_a[1] + store_a[2] <= 0.01 * d, f"epochs 2-3 read {store_a[1:]} B from the store; D = {d} B"
+        assert store_a[1] + store_a[2] <= 0.01 * d, \
+            f"epochs 2-3 read {store_a[1:]} B from the store; D = {d} B; fallbacks:\n{job_a.fallbacks()}"
         assert min(peer_a[1:]) >= 0.5 * d, "the other nodes' shards did not come from their peers"
         stats = [job_a.stats(2, r) for r in range(4)]
         served = sum(s["peers_bytes_served"] for s in stats)  # the wire adds headers and the held summaries

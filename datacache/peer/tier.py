@@ -291,6 +291,8 @@ class PeerTier:
             self._down[addr] = time.monotonic() + DOWN_FOR
         if not isinstance(exc, PeerFailed):
             log.warning("datacache: peer %s failed: %r", addr, exc)
+        elif not isinstance(exc, PeerCorrupt):  # handled (the next holder, or the store): why, for whoever asks
+            log.info("datacache: a peer did not deliver (%s); fetching it elsewhere", exc)
 
 
 def _store_job(store_fetch: StoreFetch, tmp: str, cancelled: Callable[[], bool], lost: threading.Event) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import os
 import signal
 import sys
@@ -77,6 +78,9 @@ def _lockstep(port: int | None, rank: int) -> Any:
 
 
 def main() -> int:
+    # warnings as Python's default shows them, and why each peer fetch fell back (the tests print it)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("datacache.peer").setLevel(logging.INFO)
     with open(sys.argv[1]) as f:
         cfg = json.load(f)
     rank, out = int(os.environ["RANK"]), cfg["out_dir"]

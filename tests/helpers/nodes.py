@@ -53,6 +53,11 @@ class Job:
         self.deadline = time.monotonic() + TIMEOUT
         self.killed: set[int] = set()  # ranks the test killed
 
+    def fallbacks(self) -> str:
+        """The ranks' log lines saying why a peer fetch fell back (``datacache.peer`` at INFO)."""
+        return "\n".join(f"rank {r}: {line}" for r, p in enumerate(self.logs)
+                         for line in p.read_text(errors="replace").splitlines() if "did not deliver" in line)
+
     def _tail(self) -> str:
         return "\n".join(f"--- rank {r}\n{p.read_text(errors='replace')[-3000:]}" for r, p in enumerate(self.logs))
 
