@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["fresh", "data_address"]
+__all__ = ["fresh", "new", "data_address"]
 
 _new = ctypes.pythonapi.PyBytes_FromStringAndSize  # with NULL: a new object of that size, to fill
 _new.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
@@ -26,11 +26,17 @@ def data_address(b: bytes) -> int:
     return id(b) + _DATA
 
 
+def new(n: int) -> bytes:
+    """A new ``bytes`` of ``n`` bytes, unfilled, for a caller that fills it at ``data_address``
+    (see the module docstring); never a shared object where ``n`` > 0."""
+    return _new(None, n) if n else b""
+
+
 def fresh(n: int) -> tuple[bytes, memoryview]:
     """A new ``bytes`` of ``n`` bytes, unfilled, and a writable view of them (see the module
     docstring), valid while the caller holds the ``bytes``. Never a shared object: CPython shares
     only the empty ``bytes`` (nothing to write) and, made from data, one-byte ones."""
     if n == 0:
         return b"", memoryview(bytearray(0))
-    b = _new(None, n)
+    b = new(n)
     return b, memoryview((ctypes.c_char * n).from_address(id(b) + _DATA)).cast("B")

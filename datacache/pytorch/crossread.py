@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .._bytes import data_address, fresh
+from .._bytes import data_address, new
 from ..errors import CacheError
 
 __all__ = ["MIN_MEAN_BYTES", "available", "read_values", "values_read"]
@@ -122,7 +122,7 @@ def read_values(pid: int, addrs: np.ndarray, lengths: np.ndarray) -> list[bytes]
         raise CacheError("this system cannot read another process's memory, yet a batch's values were left "
                          "in its DataLoader worker's", url=f"pid {pid}", hint=f"set {_ENV}=0")
     sizes = lengths.tolist()
-    out = [fresh(n)[0] for n in sizes]  # filled below, before anyone sees them
+    out = [new(n) for n in sizes]  # filled below, before anyone sees them
     # local iovecs: each new object's data; remote: the worker's addresses (empty values left out)
     keep = lengths > 0
     iov = np.empty((int(keep.sum()), 4), np.uint64)

@@ -31,6 +31,7 @@ Used by the one batcher thread of a consumer.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 from collections.abc import Callable, Iterator
@@ -110,8 +111,6 @@ class _StepTable:
         self.regular = all(isinstance(t, Columns) for t in tables)
         if not self.regular:
             return
-        # every row in a mapped file: a batch's values may stay there for the consumer (crossread)
-        self.mapped = all(t.keep and all(_file_backed(k) for k in t.keep) for t in tables)  # type: ignore[union-attr]
         first = tables[0].fields
         self.kinds = {name: c.kind for name, c in first.items()}
         self.dtypes = {name: c.dtype for name, c in first.items()}
@@ -142,6 +141,12 @@ class _StepTable:
 
     def __len__(self) -> int:
         return len(self.step.pos)
+
+    @functools.cached_property
+    def mapped(self) -> bool:
+        """Every row in a mapped file: a batch's values may stay there for the consumer (crossread).
+        Asked only for a batch with a large bytes column, once per step."""
+        return all(t.keep and all(_file_backed(k) for k in t.keep) for t in self.step.tables)
 
     def column(self, name: str, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(addresses, sizes, shapes) of field ``name`` for this step's positions ``a .. b - 1``."""
@@ -184,7 +189,7 @@ class Gatherer:
                     return self._per_sample(pieces)
                 addr, size, shape = (np.concatenate([p[k] for p in parts]) for k in range(3))
             plan.append((name, addr, size, shape))
-        laid = self._layout(t0, plan, n, self.collator.cross_read and all(t.mapped for t in tables))
+        laid = self._layout(t0, plan, n, lambda: self.collator.cross_read and all(t.mapped for t in tables))
         if laid is None:
             return self._per_sample(pieces)  # collated as default_collate would, value by value
         fields, pos = laid
@@ -192,7 +197,7 @@ class Gatherer:
         ring = self.collator.ring_for(pos, variable)
         slot = ring.acquire(pos) if ring is not None and fields else None
         if slot is None and any(f.remote for f in fields):  # no slot: the values go in the batch itself
-            fields, pos = self._layout(t0, plan, n, False)  # type: ignore[misc]
+            fields, pos = self._layout(t0, plan, n, lambda: False)  # type: ignore[misc]
         buf = ring.buffer(slot) if slot is not None else np.empty(max(pos, 1), np.uint8)  # type: ignore[union-attr]
         try:
             fields = [self._fill(buf, f, addr, size, shape, name) for f, (name, addr, size, shape) in zip(fields, plan)]
@@ -207,9 +212,10 @@ class Gatherer:
         return dict(zip(t0.kinds, ring.publish(slot, tuple(fields))))  # type: ignore[union-attr]
 
     def _layout(self, t0: _StepTable, plan: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]], n: int,
-                cross: bool) -> tuple[list[Field], int] | None:
-        """The batch's fields and its size (None: a dtype to collate value by value). ``cross``:
-        large bytes columns stay where they are (``remote``: their addresses in the batch)."""
+                cross: Callable[[], bool]) -> tuple[list[Field], int] | None:
+        """The batch's fields and its size (None: a dtype to collate value by value). ``cross()``
+        (asked only for a large bytes column): such columns stay where they are (``remote``: their
+        addresses in the batch)."""
         fields: list[Field] = []
         pos = 0
         views = self.collator.bytes_views
@@ -224,7 +230,7 @@ class Gatherer:
                 pos += _up(n * row)
             elif kind in ("bytes", "str"):
                 total = int(size.sum())
-                if cross and kind == "bytes" and not views and total >= MIN_MEAN_BYTES * n:
+                if kind == "bytes" and not views and total >= MIN_MEAN_BYTES * n and cross():
                     f, pos = var_field(kind, "|u1", n, 0, pos, 8 * n)
                     fields.append(f._replace(remote=True))
                 else:

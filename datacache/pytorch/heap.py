@@ -16,17 +16,16 @@ Thread-safe (a lock around the one malloc and free; the common call is one compa
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 __all__ = ["reserve"]
 
 _MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit systems: larger frees move nothing
 _lock = threading.Lock()
-_state: dict[str, object] = {"pid": -1, "size": 0, "libc": None}
+_reserved = 0  # the largest block freed so far (a forked child inherits the heap's state with it)
 
 
-def _libc() -> ctypes.CDLL | None:
+def _glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(None)
     except OSError:
@@ -39,18 +38,19 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
+_LIBC = _glibc()
+
+
 def reserve(nbytes: int) -> None:
     """Let the heap keep ``nbytes`` of values' memory between batches (see the module docstring)."""
+    global _reserved
     size = min(_MAX, 2 * nbytes + (1 << 20))  # room for the batch, and a value as large as all of it
-    if size <= _state["size"] and _state["pid"] == os.getpid():  # type: ignore[operator]
+    if size <= _reserved or _LIBC is None:
         return
     with _lock:
-        if _state["pid"] != os.getpid():
-            _state.update(pid=os.getpid(), size=0, libc=_libc())
-        libc = _state["libc"]
-        if size <= _state["size"] or libc is None:  # type: ignore[operator]
+        if size <= _reserved:
             return
-        block = libc.malloc(size)  # type: ignore[attr-defined]
+        block = _LIBC.malloc(size)
         if block:
-            libc.free(block)  # type: ignore[attr-defined]
-        _state["size"] = size
+            _LIBC.free(block)
+        _reserved = size
