@@ -23,10 +23,12 @@ import mmap
 import os
 import sys
 import threading
+import weakref
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["CowMap"]
+__all__ = ["CowMap", "Origin", "origin"]
 
 _PAGE = mmap.PAGESIZE
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14: map pages, copy none
@@ -36,6 +38,30 @@ _FREE_REFS = 3
 # A pagemap entry's top byte: bit 7 present, bit 6 swapped, bit 5 file-backed. A page is as in the
 # file when it is absent (refaulted from the file) or present and file-backed; else it is private.
 _CLEAN = bytes(b for b in range(256) if b & 0xE0 in (0x00, 0xA0))
+
+
+class Origin(NamedTuple):
+    """Where a mapping's bytes come from: its first byte's address here, its length, and the file
+    (an open descriptor of this process, the file's ``st_dev`` and ``st_ino``, the offset mapped
+    first). Pages a view wrote are the one difference, and ``CowMap`` hands none out to read."""
+
+    address: int
+    length: int
+    fd: int
+    dev: int
+    ino: int
+    offset: int
+
+
+_ORIGINS: "weakref.WeakKeyDictionary[mmap.mmap, Origin]" = weakref.WeakKeyDictionary()
+
+
+def origin(m: mmap.mmap) -> Origin | None:
+    """The file behind ``m``, a mapping a ``CowMap`` made (None for any other). Another process
+    may map the same file to read the same bytes (``datacache.pytorch.crossread``); the
+    descriptor is only valid while the ``CowMap``'s reader keeps it open, so such a reader checks
+    ``dev`` and ``ino`` of what it opened."""
+    return _ORIGINS.get(m)
 
 
 _PAGEMAP: tuple[int, int | None] | None = None  # (pid, fd): one per process, opened on first use
@@ -76,9 +102,10 @@ class CowMap:
     def __init__(self, fd: int, size: int) -> None:
         self._fd, self._size = fd, size
         self.map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-        probe = np.frombuffer(self.map, np.uint8, 1)
-        self._addr = int(probe.ctypes.data)
-        del probe
+        self._addr = _address(self.map)
+        st = os.fstat(fd)
+        self._file = (st.st_dev, st.st_ino)
+        _ORIGINS[self.map] = Origin(self._addr, size, fd, *self._file, 0)
         self.use_pagemap = True  # False: treat every page handed out as written (tests)
         self._maybe = np.zeros(-(-size // _PAGE), dtype=bool)  # handed out, maybe written since
         self._populated = np.zeros(-(-size // _PAGE), dtype=bool)  # page tables filled (``_populate``)
@@ -175,6 +202,7 @@ class CowMap:
         """The region from a new private mapping of its pages (freed when its views are gone)."""
         start = p0 * _PAGE
         m = mmap.mmap(self._fd, offset + length - start, access=mmap.ACCESS_COPY, offset=start)
+        _ORIGINS[m] = Origin(_address(m), len(m), self._fd, *self._file, start)
         return memoryview(m)[offset - start:offset - start + length]
 
     def close(self) -> None:
@@ -184,3 +212,9 @@ class CowMap:
             self.map.close()
         except BufferError:  # views still alive: unmapped when they are gone
             pass
+
+
+def _address(m: mmap.mmap) -> int:
+    """The address of ``m``'s first byte (a writable mapping)."""
+    probe = np.frombuffer(m, np.uint8, 1)
+    return int(probe.ctypes.data)

@@ -44,15 +44,79 @@ def test_values_are_read_from_another_process_and_a_gone_one_is_named() -> None:
     try:
         addrs = np.array(json.loads(child.stdout.readline()), np.int64)  # type: ignore[union-attr]
         before = crossread.values_read()
-        got = crossread.read_values(child.pid, addrs, np.array(sizes, np.int64))
+        got = crossread.read_values(child.pid, _nowhere(addrs), np.array(sizes, np.int64))
         assert got == [bytes([k % 251]) * n for k, n in enumerate(sizes)]
         assert all(type(v) is bytes for v in got) and crossread.values_read() == before + len(sizes)
         assert len({id(v) for v in got if len(v) > 1}) == sum(n > 1 for n in sizes), "each value its own object"
     finally:
         child.communicate("")
     with pytest.raises(CacheError) as info:
-        crossread.read_values(child.pid, addrs[3:4], np.array([70_000], np.int64))
+        crossread.read_values(child.pid, _nowhere(addrs[3:4]), np.array([70_000], np.int64))
     assert f"pid {child.pid}" in str(info.value) and "DATACACHE_CROSS_READ=0" in str(info.value)
+
+
+def _nowhere(addrs: np.ndarray) -> np.ndarray:
+    """``read_values``' rows for values at ``addrs`` in no known file."""
+    where = np.full((len(addrs), crossread.WHERE), -1, np.int64)
+    where[:, 0] = addrs
+    return where
+
+
+_MAPPER = """
+import json, os, sys
+from datacache.readers._cowmap import CowMap, origin
+fd = os.open(sys.argv[1], os.O_RDONLY)
+cow = CowMap(fd, os.fstat(fd).st_size)
+o = origin(cow.map)
+other = os.open(sys.argv[2], os.O_RDONLY)
+print(json.dumps([o.address, o.fd, o.dev, o.ino, other]), flush=True)
+for line in sys.stdin:  # "swap": the descriptor now names another file
+    os.dup2(other, fd)
+    print("swapped", flush=True)
+"""
+
+
+def test_values_in_a_mapped_file_are_copied_from_this_process_s_own_mapping(tmp_path: Path) -> None:
+    """Values whose rows name their file (as a worker's mapped tier file gives them) are copied
+    from this process's mapping of the same file, opened through the producer's descriptor; a
+    descriptor that names another file by then (closed and reused), or a file deleted since,
+    is not used: those values come from the producer's memory, still exact."""
+    data = np.random.default_rng(1).bytes(200_000)
+    path, other = tmp_path / "shard.bin", tmp_path / "other.bin"
+    path.write_bytes(data)
+    other.write_bytes(bytes(200_000))
+    child = subprocess.Popen([sys.executable, "-c", _MAPPER, str(path), str(other)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    files = crossread._Files()
+    try:
+        base, fd, dev, ino, _ = json.loads(child.stdout.readline())  # type: ignore[union-attr]
+        offsets = np.array([0, 5, 70_000, 199_999, 100], np.int64)
+        sizes = np.array([10, 0, 65_536, 1, 100_000], np.int64)
+        where = np.stack([base + offsets, np.full(5, fd), np.full(5, dev), np.full(5, ino), offsets], 1)
+        want = [data[o:o + n] for o, n in zip(offsets.tolist(), sizes.tolist())]
+        mapped = crossread.values_mapped()
+        out: list = [None] * 5
+        files.copy(child.pid, where[:, 1:].tolist(), sizes.tolist(), out)
+        assert out == want and all(type(v) is bytes for v in out)
+        assert crossread.values_mapped() == mapped + 5 and files.misses == 1
+        assert crossread.read_values(child.pid, where, sizes) == want  # the module's own files, the same way
+
+        child.stdin.write("swap\n")  # type: ignore[union-attr]
+        child.stdin.flush()  # type: ignore[union-attr]
+        assert child.stdout.readline().strip() == "swapped"  # type: ignore[union-attr]
+        fresh = crossread._Files()
+        out = [None] * 5
+        fresh.copy(child.pid, where[:, 1:].tolist(), sizes.tolist(), out)
+        assert out == [None] * 5 and not fresh._maps, "another file behind the descriptor: not used"
+        assert crossread.read_values(child.pid, where, sizes) == want  # this inode, mapped before the swap
+
+        assert (dev, ino) in files._maps
+        path.unlink()
+        files.prune()
+        assert (dev, ino) not in files._maps, "a deleted file is let go"
+    finally:
+        child.communicate("")
+        files.close()
 
 
 def test_a_slot_keeps_its_batch_s_memory_until_it_is_free_even_after_the_ring_grows() -> None:
@@ -103,12 +167,13 @@ def test_large_bytes_values_come_exactly_once_read_from_their_worker(blobs: tupl
     """Two workers, a cold and a warm epoch: every batch's bytes are the written ones, every
     sample once. Values in raw blocks are read from the workers' memory (``cross`` 1, where this
     system allows it); through the slot with ``DATACACHE_CROSS_READ=0``, and where they were
-    decompressed (kept for the consumer, a block's buffer a batch would be memory held)."""
+    decompressed (kept for the consumer, a block's buffer a batch would be memory held). The
+    workers' values in tier files are copied from this process's own mapping of those files."""
     url, raw = blobs
     monkeypatch.setenv("DATACACHE_CROSS_READ", cross)
     ds = StreamingDataset(url, cache=cache, seed=5)
     loader = datacache.DataLoader(ds, batch_size=16, num_workers=2, persistent_workers=True)
-    before = crossread.values_read()
+    before, mapped = crossread.values_read(), crossread.values_mapped()
     try:
         for epoch in range(2):
             ds.set_epoch(epoch)
@@ -121,11 +186,12 @@ def test_large_bytes_values_come_exactly_once_read_from_their_worker(blobs: tupl
     finally:
         del loader
         ds.close()
-    read = crossread.values_read() - before
+    read, mapped = crossread.values_read() - before, crossread.values_mapped() - mapped
     if cross == "0" or not raw or not crossread.available(os.getpid()):
         assert read == 0
     else:
         assert read > 0, "no value was read from a worker"
+        assert mapped > 0, "no value was copied from the tier file the worker had mapped"
 
 
 def test_only_file_mappings_count_as_memory_kept_for_free(tmp_path: Path) -> None:

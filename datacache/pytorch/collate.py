@@ -16,8 +16,8 @@ and calls a function per leaf type from a ``collate_fn_map``; it is run twice.
 
 What comes out has default_collate's types: tensors of its dtypes and shapes; ``bytes`` and
 ``str`` as lists of them (built from the buffer, in the receiving process, with one copy; a
-``remote`` bytes column's values copied once straight from the worker that found them, see
-``datacache.pytorch.crossread``), or with ``bytes_views`` as one ``PackedBytes`` per field,
+``remote`` bytes column's values copied once straight from the worker's memory or file that
+holds them, see ``datacache.pytorch.crossread``), or with ``bytes_views`` as one ``PackedBytes`` per field,
 zero-copy views of the buffer; tuples become
 lists, as there. What default_collate refuses but a batch can carry stays a list of the values:
 arrays (tensors) of differing shapes (views of the buffer), arrays of strings or objects, None.
@@ -25,7 +25,8 @@ arrays (tensors) of differing shapes (views of the buffer), arrays of strings or
 Layout (``Field``): a fixed column is ``nbytes`` at ``offset``; a variable one's values are at
 ``offset`` (``nbytes`` in all), with its table at ``aux``: for ``bytes``/``str`` the ``n + 1``
 int64 offsets of the values (relative to ``offset``; for a ``remote`` column, ``offset`` holds
-the ``n`` int64 addresses of the values in the producing process instead of the values), for
+``n`` rows of ``crossread.WHERE`` int64s instead of the values: each one's address in the
+producing process and its file there), for
 arrays the ``n`` int64 starts (each 16-byte aligned) then the ``n x ndim`` int64 shapes. Every
 part starts 64-byte aligned.
 
@@ -43,7 +44,7 @@ from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate as _walk
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from .crossread import read_values
+from .crossread import WHERE, read_values
 from .heap import reserve
 
 __all__ = ["Field", "Layout", "BatchPlan", "PackedBytes", "plan", "assemble", "collate", "values", "layout_end",
@@ -367,7 +368,8 @@ def _var_value(buf: Any, f: Field, producer: int = 0) -> Any:
             return PackedBytes(torch.from_numpy(data), torch.from_numpy(offsets), f.kind)
         reserve(int(offsets[-1]))  # the values' memory stays warm from batch to batch
         if f.remote:
-            return read_values(producer, np.frombuffer(buf, np.int64, n, f.offset), np.diff(offsets))
+            where = np.frombuffer(buf, np.int64, WHERE * n, f.offset).reshape(n, WHERE)
+            return read_values(producer, where, np.diff(offsets))
         with memoryview(buf) as whole:
             return _copied(whole.cast("B")[f.offset:f.offset + f.nbytes], offsets.tolist(), f.kind, f.ascii)
     ndim = f.shape[1]

@@ -9,6 +9,12 @@ and its length into the slot, keeps what the addresses point into alive (``Batch
 and the training process copies each value with ``process_vm_readv(2)`` straight into the new
 ``bytes`` object: one copy, one system call per 1,024 values.
 
+A value in a tier file the worker has mapped (the raw blocks of a cached shard) is cheaper still
+to copy from the training process's own mapping of that file (``_Files``): the worker writes the
+file beside the address (its descriptor, ``st_dev``, ``st_ino`` and the offset:
+``readers._cowmap.origin``), the training process opens it through ``/proc/<worker>/fd`` once and
+keeps it mapped, and ``process_vm_readv`` stays for the values of any other memory.
+
 Where it works (``available``, asked once per worker): Linux; the system call not refused (a
 seccomp filter); the Yama ptrace scope 0 or 1 (1 lets a process read its descendants, and a
 DataLoader's workers are the training process's children, or its grandchildren under
@@ -28,7 +34,11 @@ import ctypes
 import errno
 import os
 import sys
+import mmap
+import resource
 import threading
+import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -36,21 +46,31 @@ import numpy as np
 from .._bytes import data_address, new
 from ..errors import CacheError
 
-__all__ = ["MIN_MEAN_BYTES", "available", "read_values", "values_read"]
+__all__ = ["MIN_MEAN_BYTES", "WHERE", "available", "read_values", "values_read", "values_mapped"]
 
 MIN_MEAN_BYTES = 4096  # a bytes column read across processes when its values average this much
 _IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux's UIO_MAXIOV)
 _ENV = "DATACACHE_CROSS_READ"
+WHERE = 5  # int64 words per value in a batch: its address, its file's descriptor, st_dev, st_ino and offset
+_MAX_FILES = 256  # files mapped at most (``_Files``)
+_MIN_EVICTED = 64  # files dropped for room before the mapped path may turn itself off
+_CHECK_S = 1.0  # how often the mapped files are checked for deletion (seconds)
 
 _libc: ctypes.CDLL | None = None
 _checked: dict[tuple[int, int], bool] = {}  # (this pid, consumer pid) -> available
 _count_lock = threading.Lock()
 _values_read = 0
+_values_mapped = 0
 
 
 def values_read() -> int:
     """Values this process has read from other processes (``read_values``) so far."""
     return _values_read
+
+
+def values_mapped() -> int:
+    """Of those, the values copied from this process's own mapping of their file (``_Files``)."""
+    return _values_mapped
 
 
 def _call() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -115,8 +135,27 @@ def _read_iov(fn: Any, pid: int, iov: np.ndarray) -> None:
                              hint=f"where this system forbids reading a child process's memory, set {_ENV}=0")
 
 
-def read_values(pid: int, addrs: np.ndarray, lengths: np.ndarray) -> list[bytes]:
-    """New ``bytes`` objects holding process ``pid``'s ``lengths[i]`` bytes at ``addrs[i]``."""
+def read_values(pid: int, where: np.ndarray, lengths: np.ndarray) -> list[bytes]:
+    """New ``bytes`` objects holding process ``pid``'s values: value ``i`` is ``lengths[i]`` bytes
+    at address ``where[i, 0]`` there, from the file ``where[i, 1:]`` (``WHERE``; descriptor -1:
+    none). A value whose file this process maps too (``_Files``) is copied from its own mapping;
+    the others are read from ``pid`` with ``process_vm_readv``."""
+    sizes = lengths.tolist()
+    out: list[bytes | None] = [None] * len(sizes)
+    if len(sizes) and where.shape[1] == WHERE and FILES.on and (where[:, 1] >= 0).any():
+        FILES.copy(pid, where[:, 1:].tolist(), sizes, out)
+    rest = [i for i, v in enumerate(out) if v is None]
+    if rest:
+        got = _read_from(pid, where[rest, 0], lengths[rest])
+        for i, v in zip(rest, got):
+            out[i] = v
+    global _values_read
+    with _count_lock:
+        _values_read += len(out)
+    return out  # type: ignore[return-value]
+
+
+def _read_from(pid: int, addrs: np.ndarray, lengths: np.ndarray) -> list[bytes]:
     fn = _call()
     if fn is None:
         raise CacheError("this system cannot read another process's memory, yet a batch's values were left "
@@ -130,7 +169,134 @@ def read_values(pid: int, addrs: np.ndarray, lengths: np.ndarray) -> list[bytes]
     iov[:, 1] = iov[:, 3] = lengths[keep]
     iov[:, 2] = addrs[keep]
     _read_iov(fn, pid, iov)
-    global _values_read
-    with _count_lock:
-        _values_read += len(out)
     return out
+
+
+class _Files:
+    """The files holding the producers' values (their tier files), mapped in this process too, so
+    that a value is one ``memcpy`` from this process's own mapping: cheaper than
+    ``process_vm_readv``, which pins each page of the other process's memory before copying it.
+
+    A file is opened through ``/proc/<pid>/fd/<fd>`` (the producer's own open file, whatever its
+    name now; allowed wherever ``process_vm_readv`` is) and used only if its ``st_dev`` and
+    ``st_ino`` are the ones the producer sent: a descriptor closed and reused since names another
+    file, and its values are then read from the producer's memory instead. Tier files are never
+    written once their bytes are in a batch, so the file's bytes are the value's.
+
+    Kept at most ``capacity`` files (least recently used dropped); a file deleted since (evicted)
+    is dropped at the next check (``prune``: every ``_CHECK_S`` while batches come, and at each
+    epoch's end), so this process does not keep its space for long; ``close`` drops them all. Where most lookups miss (more files than ``capacity`` in turn), the path turns itself
+    off for this process (``on``: a quarter as many files dropped for room as found), since opening and mapping a file per value costs more than the
+    read it saves. Thread-safe; no lock is held while a file is opened or a value copied; a forked
+    child starts empty."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: OrderedDict[tuple[int, int], tuple[int, memoryview]] = OrderedDict()
+        self._pid = os.getpid()
+        self._checked = time.monotonic()
+        self.hits = self.misses = self.evicted = 0
+        self.on = os.environ.get(_ENV, "1").strip() != "0"
+        self.capacity = _capacity()
+
+    def copy(self, pid: int, files: list[list[int]], sizes: list[int], out: list[bytes | None]) -> None:
+        """``out[i]`` <- value ``i`` from its file (``files[i]``: fd, dev, ino, offset), where
+        this process maps that file; left None otherwise."""
+        views: dict[tuple[int, int, int], memoryview | None] = {}
+        for i, (fd, dev, ino, offset) in enumerate(files):
+            if fd < 0:
+                continue
+            key = (fd, dev, ino)
+            view = views[key] if key in views else views.setdefault(key, self.view(pid, fd, dev, ino))
+            n = sizes[i]
+            if view is not None and 0 <= offset and offset + n <= len(view):
+                out[i] = bytes(view[offset:offset + n])
+        global _values_mapped
+        done = sum(v is not None for v in out)
+        with _count_lock:
+            _values_mapped += done
+
+    def view(self, pid: int, fd: int, dev: int, ino: int) -> memoryview | None:
+        """This process's mapping of the file (``st_dev``, ``st_ino``) open as ``fd`` in ``pid``,
+        or None (not that file any more, not mappable, or the path is off)."""
+        if os.getpid() != self._pid:
+            self.__init__()  # type: ignore[misc]  # a forked child: the parent's state is not its own
+        if time.monotonic() - self._checked > _CHECK_S:
+            self.prune()
+        with self._lock:
+            got = self._maps.get((dev, ino))
+            if got is not None:
+                self._maps.move_to_end((dev, ino))
+                self.hits += 1
+                return got[1]
+            self.misses += 1
+        opened = _open_mapped(pid, fd, dev, ino)
+        if opened is None:
+            return None
+        with self._lock:
+            known = self._maps.get((dev, ino))
+            if known is None:
+                self._maps[(dev, ino)] = opened
+                while len(self._maps) > self.capacity:
+                    _, (old, _) = self._maps.popitem(last=False)
+                    os.close(old)
+                    self.evicted += 1
+                if self.evicted > _MIN_EVICTED and 4 * self.evicted > self.hits:
+                    self.on = False  # more files in turn than it keeps: each value would open one
+                return opened[1]
+        os.close(opened[0])  # another thread mapped it meanwhile
+        return known[1]
+
+    def prune(self) -> None:
+        """Drop the files deleted since they were mapped (their space is then free)."""
+        self._checked = time.monotonic()
+        with self._lock:
+            held = list(self._maps.items())
+        gone = []
+        for key, (fd, _) in held:
+            try:
+                if os.fstat(fd).st_nlink == 0:
+                    gone.append(key)
+            except OSError:
+                gone.append(key)
+        with self._lock:
+            for key in gone:
+                got = self._maps.pop(key, None)
+                if got is not None:
+                    os.close(got[0])
+
+    def close(self) -> None:
+        """Unmap every file (each mapping goes once no copy uses it); idempotent."""
+        with self._lock:
+            held, self._maps = list(self._maps.values()), OrderedDict()
+        for fd, _ in held:
+            os.close(fd)
+
+
+def _capacity() -> int:
+    """Files kept mapped: each holds two descriptors (ours and the mapping's own)."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        soft = 1024
+    return max(8, min(_MAX_FILES, (soft if soft > 0 else 1024) // 16))
+
+
+def _open_mapped(pid: int, fd: int, dev: int, ino: int) -> tuple[int, memoryview] | None:
+    """(descriptor, read-only mapping) of the file open as ``fd`` in ``pid``, if it is (dev, ino)."""
+    try:
+        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(own)
+        if (st.st_dev, st.st_ino) != (dev, ino) or st.st_size == 0:
+            os.close(own)
+            return None
+        return own, memoryview(mmap.mmap(own, st.st_size, prot=mmap.PROT_READ))
+    except (OSError, ValueError):
+        os.close(own)
+        return None
+
+
+FILES = _Files()

@@ -69,6 +69,7 @@ from ..read.node_schedule import (
 from ..read.peers import attach, owned_keys, peer_stats, with_cluster_times
 from ..read.shard_source import ShardSource, tell_plan
 from ..store.storage import Store
+from . import crossread
 from .batches import RING_SLOTS, RingCollator, batched, collate, sharing
 from .bundles import bundled
 from .gather import Gatherer, gathered
@@ -622,6 +623,7 @@ class StreamingDataset(tud.IterableDataset):
         if self._collator is not None and self._collator.pid == os.getpid():
             self._collator.close()
             self._collator = None
+        crossread.FILES.close()  # the tier files this process mapped to copy values from
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -43,7 +43,8 @@ from ..errors import ReaderError
 from ..read.batcher import batches as run_batches
 from ..readers.columns import Columns, address_view
 from .collate import _ROW_ALIGN, Field, _up, values, var_field
-from .crossread import MIN_MEAN_BYTES
+from ..readers._cowmap import origin
+from .crossread import MIN_MEAN_BYTES, WHERE
 
 if TYPE_CHECKING:
     from ..read.consumer import Consumer, Step
@@ -85,13 +86,18 @@ def copy_rows(addr: np.ndarray, row: int, out: np.ndarray, span: tuple[int, int]
 def _file_backed(buf: Any) -> bool:
     """Whether ``buf`` (an array or memoryview, through its bases) views a file mapping: memory that
     costs nothing more kept a while (a decompressed block's buffer would be one more per batch)."""
+    return _mapping(buf) is not None
+
+
+def _mapping(buf: Any) -> mmap.mmap | None:
+    """The file mapping ``buf`` (an array or memoryview) views through its bases, if any."""
     for _ in range(8):
         if isinstance(buf, mmap.mmap):
-            return True
+            return buf
         buf = getattr(buf, "base", None) if isinstance(buf, np.ndarray) else getattr(buf, "obj", None)
         if buf is None:
-            return False
-    return False
+            return None
+    return None
 
 
 def _copy_each(addr: np.ndarray, size: np.ndarray, dst: np.ndarray) -> None:
@@ -109,6 +115,7 @@ class _StepTable:
         self.step = step
         tables = step.tables
         self.regular = all(isinstance(t, Columns) for t in tables)
+        self._origins: dict[str, np.ndarray] = {}
         if not self.regular:
             return
         first = tables[0].fields
@@ -147,6 +154,27 @@ class _StepTable:
         """Every row in a mapped file: a batch's values may stay there for the consumer (crossread).
         Asked only for a batch with a large bytes column, once per step."""
         return all(t.keep and all(_file_backed(k) for k in t.keep) for t in self.step.tables)
+
+    def origins(self, name: str) -> np.ndarray:
+        """Per position, field ``name``'s value's file: (descriptor, st_dev, st_ino, offset), -1s
+        where not known (``readers._cowmap.origin``); computed once per step and field."""
+        known = self._origins.get(name)
+        if known is not None:
+            return known
+        addr = self.columns[name][0]
+        out = self._origins[name] = np.full((len(addr), WHERE - 1), -1, np.int64)
+        maps = {id(m): origin(m) for t in self.step.tables for m in map(_mapping, t.keep) if m is not None}
+        spans = sorted(o for o in maps.values() if o is not None)
+        if not spans or not len(addr):
+            return out
+        starts = np.array([o.address for o in spans], np.int64)
+        at = np.searchsorted(starts, addr, "right") - 1
+        inside = at >= 0
+        found = np.array([(o.length, o.fd, o.dev, o.ino, o.offset) for o in spans], np.int64)[np.maximum(at, 0)]
+        inside &= addr - starts[np.maximum(at, 0)] + self.columns[name][1] <= found[:, 0]
+        out[inside, :3] = found[inside, 1:4]
+        out[inside, 3] = found[inside, 4] + addr[inside] - starts[at[inside]]
+        return out
 
     def column(self, name: str, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(addresses, sizes, shapes) of field ``name`` for this step's positions ``a .. b - 1``."""
@@ -201,6 +229,10 @@ class Gatherer:
         buf = ring.buffer(slot) if slot is not None else np.empty(max(pos, 1), np.uint8)  # type: ignore[union-attr]
         try:
             fields = [self._fill(buf, f, addr, size, shape, name) for f, (name, addr, size, shape) in zip(fields, plan)]
+            for f, (name, *_) in zip(fields, plan):
+                if f.remote:  # where each value lies: its address, and its file (crossread.WHERE)
+                    where = np.frombuffer(buf, np.int64, WHERE * f.shape[0], f.offset).reshape(-1, WHERE)
+                    where[:, 1:] = np.concatenate([t.origins(name)[a:b] for t, a, b in pieces])
         except BaseException:
             if slot is not None:
                 ring.abandon(slot)  # type: ignore[union-attr]
@@ -231,7 +263,7 @@ class Gatherer:
             elif kind in ("bytes", "str"):
                 total = int(size.sum())
                 if kind == "bytes" and not views and total >= MIN_MEAN_BYTES * n and cross():
-                    f, pos = var_field(kind, "|u1", n, 0, pos, 8 * n)
+                    f, pos = var_field(kind, "|u1", n, 0, pos, 8 * WHERE * n)
                     fields.append(f._replace(remote=True))
                 else:
                     f, pos = var_field(kind, "|u1", n, 0, pos, total, view=views)
@@ -288,7 +320,7 @@ class Gatherer:
             offsets[0] = 0
             np.cumsum(size, out=offsets[1:])
             if f.remote:  # each value's address here, read from this process by the consumer
-                np.frombuffer(buf, np.int64, n, f.offset)[:] = addr
+                np.frombuffer(buf, np.int64, WHERE * n, f.offset).reshape(n, WHERE)[:, 0] = addr
                 return f
             _copy_each(addr, size, base + offsets[:-1])
             if f.kind == "str":

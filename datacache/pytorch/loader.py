@@ -34,6 +34,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..read.headstart import HeadStart
 from .batches import RING_SLOTS, collate
+from . import crossread
 from .bundles import BUNDLE, Unbundler, ring_slots
 from .dataset import StreamingDataset
 from .rounds import Rounds
@@ -224,14 +225,18 @@ class _Counted:
         if ahead is None and not profiled and self._returned >= 0 and \
                 time.perf_counter() - self._returned >= _AHEAD_AFTER:
             ahead = self._ahead = _ReadAhead(self._next)
-        if ahead is None:
-            item = self._next()
-        elif profiled:  # a profiler began: the batch asked for, then this thread again
-            item = ahead.take(more=False)
-            ahead.stop()
-            self._ahead = None
-        else:
-            item = ahead.take()
+        try:
+            if ahead is None:
+                item = self._next()
+            elif profiled:  # a profiler began: the batch asked for, then this thread again
+                item = ahead.take(more=False)
+                ahead.stop()
+                self._ahead = None
+            else:
+                item = ahead.take()
+        except StopIteration:
+            crossread.FILES.prune()  # the epoch's end: evicted tier files mapped here are let go
+            raise
         self.handed += 1
         self._returned = time.perf_counter()
         return item
