@@ -98,7 +98,7 @@ class TransferConfig:
     whole node, kept by every process of the node together (a token bucket in the cache's control
     directory); set it below the store's limit divided by the number of nodes reading the prefix.
 
-    ``presigned`` (S3 only; on): ranged GETs by presigned URL on a urllib3 pool, each object's
+    ``presigned`` (S3 only; on): ranged GETs by presigned URL on kept-alive connections, each object's
     URL signed once, rather than through s3fs and botocore per request, at less CPU per GET and
     per byte (``datacache.store.presigned``); the answers it does not handle itself go through
     s3fs, and so does every GET behind a proxy, with client certificates or extra request headers,

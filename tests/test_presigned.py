@@ -5,6 +5,7 @@ GET in flight, and no signed URL in any message. (A connection reset mid-body: `
 from __future__ import annotations
 
 import os
+import select
 import threading
 import uuid
 from typing import Any
@@ -103,6 +104,38 @@ def test_a_get_in_flight_is_abandoned_once_cancelled_and_close_ends_the_watcher(
     assert link.bytes_down < len(data)
     watcher.join(30)
     assert not watcher.is_alive() and watcher.name == "datacache-presigned-cancel"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seen", ["before", "after"])
+def test_a_kept_connection_the_link_cut_while_idle_is_replaced_without_a_retry(s3_server: Any, url: str,
+                                                                                slowlink: Any, seen: str,
+                                                                                monkeypatch: Any) -> None:
+    """GETs reuse one kept-alive connection; once the link has cut it (idle), the next GET opens
+    a new one at once: the same bytes, no retry and no error counted, nothing through s3fs.
+    ``seen``: the cut found before the request (the idle socket is readable), or only once the
+    request failed on it (the check made blind)."""
+    if seen == "after":
+        from datacache.store import presigned
+        monkeypatch.setattr(presigned, "_dropped", lambda conn: conn.sock is None)
+    data = os.urandom(3 * PART)
+    _put(s3_server, url, "o.bin", data)
+    link = slowlink()
+    with open_store(url, s3_server.storage_options(link.endpoint_url), transfer=TRANSFER, retry=FAST_RETRY) as store:
+        for k in range(3):
+            assert store.read_range("o.bin", k, k + 100) == data[k:k + 100]
+        assert link.snapshot()["connections"] == 1, "one connection kept for the GETs one after another"
+        conns = store._presigned._pool[1]
+        idle = [c for cs in conns._idle.values() for c in cs]
+        assert len(idle) == 1
+        link.throttle(0)  # cut every open connection, no 503 window
+        poller = select.poll()
+        poller.register(idle[0].sock, select.POLLIN)
+        assert poller.poll(20_000), "the cut reached the kept socket (readable: its end)"
+        assert store.read_range("o.bin", 7, PART + 7) == data[7:PART + 7]
+        stats = store.stats()
+    assert stats["retries"] == 0 and not stats["errors"], stats
+    assert link.snapshot()["connections"] == 2 and link.gets == stats["requests"] == 4
 
 
 def test_a_forked_child_reads_through_its_own_pool(s3_server: Any, url: str) -> None:

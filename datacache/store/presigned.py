@@ -1,18 +1,21 @@
-"""Ranged GETs of S3 objects over presigned URLs, read with urllib3 straight into one buffer.
+"""Ranged GETs of S3 objects over presigned URLs, read with ``http.client`` straight into one buffer.
 
-Through s3fs a ranged GET costs the fetching process about 1.5 ms of CPU before its first byte
-(botocore's request building, signing, events and response parsing) and, on fsspec's event loop,
-a coroutine wake-up for every chunk the socket delivers. ``PresignedRanges`` signs each object's
-URL once (``sign(path, seconds)``: s3fs's ``S3FileSystem.sign``, the same credentials, endpoint and
-addressing) and reads every range of it with a plain HTTP GET and a ``Range`` header on a urllib3
-pool, the body read in the calling thread with the HTTP response's own ``readinto`` (urllib3's
-copies each piece once more) straight into the ``bytes`` returned (``datacache._bytes.fresh``: no
-zero-filled buffer, no copy after). On by default for S3 where ``usable`` (``TransferConfig.presigned``).
+Through s3fs a ranged GET costs the fetching process botocore's request building, signing, events
+and response parsing before its first byte and, on fsspec's event loop, a coroutine wake-up for
+every chunk the socket delivers. ``PresignedRanges`` signs each object's URL once (``sign(path,
+seconds)``: s3fs's ``S3FileSystem.sign``, the same credentials, endpoint and addressing), splits
+it once, and reads every range of it with a plain HTTP GET and a ``Range`` header on a kept-alive
+``http.client`` connection of this process's own (``_Conns``: urllib3, which this path used
+before, parses and re-encodes the long signed URL character by character on every request). The
+body is read in the calling thread with the HTTP response's own ``readinto`` straight into the
+``bytes`` returned (``datacache._bytes.fresh``: no zero-filled buffer, no copy after). On by
+default for S3 where ``usable`` (``TransferConfig.presigned``).
 
 What it answers itself: ``206`` (the bytes), ``416`` (an error whose S3 code is ``InvalidRange``,
 as s3fs raises it), ``429``/``5xx`` (an error carrying the status and the S3 code of the body, so
 the retry policy sees a throttling or transient answer as it does through s3fs), and transport
-failures (``ConnectionError`` or ``TimeoutError`` from the urllib3 error: transient). Anything else
+failures (``ConnectionError`` or ``TimeoutError`` from the socket's or ``http.client``'s error:
+transient; a kept connection the server closed while idle is replaced at once). Anything else
 (``403``: a URL whose credentials expired; ``404``, redirects, a ``200`` that ignored the range)
 returns None after dropping the URL: the caller makes that request through s3fs, which re-signs
 and raises its precise error. So the errors a caller sees are s3fs's, or the same kinds.
@@ -27,26 +30,28 @@ URLs were signed) drops every URL kept, so each is signed again with the current
 
 Cancellation: a watcher thread (``datacache-presigned-cancel``) looks at every GET in flight every
 ``POLL`` seconds and shuts the socket of one whose ``cancelled()`` is true, from the moment its
-connection is up (the request sent, the answer's head awaited, the body read: the pool's
-connection classes tell the GET's ``_Socket`` which socket it uses), so the reading thread's
+connection is up (the request sent, the answer's head awaited, the body read: the GET tells its
+``_Socket`` which socket its connection uses), so the reading thread's
 blocked read returns at once and the GET raises ``ReadCancelledError``. ``close`` shuts every GET
 in flight likewise (each raises), so a closed store leaves no transfer running unwatched. Only the
 connect itself is not interrupted: ``connect_timeout`` bounds it. Thread-safe; fork-safe (a forked
-child makes its own pool and watcher on first use; the URLs are kept: they are plain strings).
+child makes its own connections and watcher on first use; the URLs are kept: plain strings).
 """
 from __future__ import annotations
 
+import functools
+import http.client
 import logging
 import os
 import re
+import select
 import socket
+import ssl
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
-from typing import Any
-
-import urllib3
-from urllib3.exceptions import HTTPError as Urllib3Error
+from typing import Any, NamedTuple
 
 from .._bytes import fresh
 from ..errors import ReadCancelledError
@@ -73,7 +78,7 @@ class RangeAnswerError(Exception):
 
 
 class _Socket:
-    """The socket one GET uses, once its connection is up (set by ``_note`` in the GET's thread);
+    """The socket one GET uses, once its connection is up (``note``, in the GET's thread);
     ``shutdown`` shuts it, until ``done`` (the GET over: its connection may serve another GET)."""
 
     __slots__ = ("sock", "over", "shut", "lock")
@@ -96,52 +101,88 @@ class _Socket:
             except OSError:  # closed meanwhile: the GET has ended anyway
                 pass
 
+    def note(self, sock: Any) -> None:
+        """The socket the GET now uses (its connection's, new or kept)."""
+        with self.lock:
+            if not self.over:
+                self.sock = sock
+                if self.shut:
+                    self._shut()
+
     def done(self) -> None:
         with self.lock:
             self.over, self.sock = True, None
 
 
-_current = threading.local()  # the calling thread's GET in flight (its _Socket), for _note
+class _Target(NamedTuple):
+    """A signed URL, split once: (scheme, host, port) and the request target (path and query)."""
+
+    key: tuple[str, str, int]
+    path: str
 
 
-def _note(conn: Any) -> None:
-    """Tell the calling thread's GET in flight which socket its connection uses."""
-    slot = getattr(_current, "slot", None)
-    if slot is not None and conn.sock is not None:
-        with slot.lock:
-            if not slot.over:
-                slot.sock = conn.sock
-                if slot.shut:
-                    slot._shut()
+class _Conns:
+    """This process's idle keep-alive connections (``http.client``), at most ``size`` kept per
+    (scheme, host, port). ``take`` gives an idle one that the server has not closed meanwhile
+    (a readable idle socket is an end or an answer nobody asked for: it is closed), else a new
+    one, connected within ``connect_timeout`` and then reading within ``read_timeout``; ``give``
+    takes back one whose answer was read to its end. Thread-safe; no lock is held while
+    connecting."""
+
+    def __init__(self, size: int, connect_timeout: float, read_timeout: float,
+                 context: Callable[[], ssl.SSLContext]) -> None:
+        self._size, self._connect, self._read = size, connect_timeout, read_timeout
+        self._context = context
+        self._idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple[str, str, int]) -> tuple[http.client.HTTPConnection, bool]:
+        """(connection, whether it served a GET before)."""
+        while True:
+            with self._lock:
+                idle = self._idle.get(key)
+                conn = idle.pop() if idle else None
+            if conn is None:
+                break
+            if not _dropped(conn):
+                return conn, True
+            conn.close()
+        scheme, host, port = key
+        conn = http.client.HTTPSConnection(host, port, timeout=self._connect, context=self._context()) \
+            if scheme == "https" else http.client.HTTPConnection(host, port, timeout=self._connect)
+        try:
+            conn.connect()
+            conn.sock.settimeout(self._read)
+        except BaseException:
+            conn.close()
+            raise
+        return conn, False
+
+    def give(self, key: tuple[str, str, int], conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if conn.sock is not None and len(idle) < self._size:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def clear(self) -> None:
+        with self._lock:
+            idle, self._idle = [c for cs in self._idle.values() for c in cs], {}
+        for conn in idle:
+            conn.close()
 
 
-class _Noted:
-    """A urllib3 connection that tells the calling thread's GET its socket (``_note``) once
-    connected, and again before awaiting an answer (a pooled connection was connected before)."""
-
-    def connect(self) -> None:
-        super().connect()  # type: ignore[misc]
-        _note(self)
-
-    def getresponse(self, *args: Any, **kwargs: Any) -> Any:
-        _note(self)
-        return super().getresponse(*args, **kwargs)  # type: ignore[misc]
-
-
-class _HTTPConnection(_Noted, urllib3.connection.HTTPConnection):
-    pass
-
-
-class _HTTPSConnection(_Noted, urllib3.connection.HTTPSConnection):
-    pass
-
-
-class _HTTPPool(urllib3.HTTPConnectionPool):
-    ConnectionCls = _HTTPConnection
-
-
-class _HTTPSPool(urllib3.HTTPSConnectionPool):
-    ConnectionCls = _HTTPSConnection
+def _dropped(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle connection's socket is gone or readable (closed by the server)."""
+    if conn.sock is None:
+        return True
+    try:
+        poll = select.poll()
+        poll.register(conn.sock, select.POLLIN)
+        return bool(poll.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 class _Watcher:
@@ -209,12 +250,12 @@ class PresignedRanges:
     def __init__(self, sign: Callable[[str, int], str], *, connect_timeout: float, read_timeout: float,
                  pool_size: int, verify: bool | str | None = None) -> None:
         self._sign = sign
-        self._timeout = urllib3.Timeout(connect=connect_timeout, read=read_timeout)
+        self._timeouts = (connect_timeout, read_timeout)
         self._pool_size = pool_size
-        self._tls = _tls(verify)
-        self._urls: dict[str, tuple[str, float]] = {}
+        self._verify = verify
+        self._urls: dict[str, tuple[_Target, float]] = {}
         self._lock = threading.Lock()
-        self._pool: tuple[int, urllib3.PoolManager, _Watcher] | None = None
+        self._pool: tuple[int, _Conns, _Watcher] | None = None
         self._refusals = 0  # answers left to s3fs
         self._served = False  # whether a presigned GET was ever answered with its range
         self._closed = False
@@ -235,29 +276,33 @@ class PresignedRanges:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def _process(self) -> tuple[int, urllib3.PoolManager, _Watcher]:
-        """This process's pool and watcher (a forked child makes its own: its own sockets, and the
-        parent's watcher thread does not exist there)."""
+    def _process(self) -> tuple[int, _Conns, _Watcher]:
+        """This process's connections and watcher (a forked child makes its own: its own sockets,
+        and the parent's watcher thread does not exist there)."""
         with self._lock:
             if self._closed:  # a GET that raced with close(): no new pool and watcher (a transient error)
                 raise ConnectionAbortedError("presigned GETs are closed (the store was closed)")
             if self._pool is None or self._pool[0] != os.getpid():
-                manager = urllib3.PoolManager(maxsize=self._pool_size, block=False, retries=False,
-                                              timeout=self._timeout, **self._tls)
-                manager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
-                self._pool = (os.getpid(), manager, _Watcher())
+                verify = self._verify
+                context = functools.lru_cache(maxsize=1)(lambda: _tls(verify))  # made at the first https connect
+                self._pool = (os.getpid(), _Conns(self._pool_size, *self._timeouts, context), _Watcher())
             return self._pool
 
-    def _url(self, path: str) -> str:
+    def _url(self, path: str) -> _Target:
         now = time.monotonic()
         with self._lock:
             got = self._urls.get(path)
         if got is not None and now - got[1] < REUSE:
             return got[0]
         url = self._sign(path, EXPIRES)  # no lock held: signing may wait on the filesystem's loop; may raise
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"a presigned URL that is not http(s) ({parts.scheme}://)")
+        target = _Target((parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
+                         f"{parts.path or '/'}?{parts.query}" if parts.query else (parts.path or "/"))
         with self._lock:
-            self._urls[path] = (url, now)
-        return url
+            self._urls[path] = (target, now)
+        return target
 
     def close(self) -> None:
         """Stop this process's watcher thread and drop its pool's connections. Idempotent; never
@@ -266,7 +311,7 @@ class PresignedRanges:
             mine, self._pool, self._closed = self._pool, None, True
         if mine is not None and mine[0] == os.getpid():
             mine[2].close()
-            mine[1].clear()
+            mine[1].clear()  # the idle connections: those in flight are shut by the watcher
 
     def forget(self, path: str) -> None:
         """Sign ``path``'s URL again on its next GET."""
@@ -281,29 +326,44 @@ class PresignedRanges:
         if self.off:
             return None
         try:
-            url = self._url(path)
+            target = self._url(path)
         except Exception as exc:  # noqa: BLE001 - s3fs makes the request, and raises what is wrong
             self._give_up(f"cannot presign a GET of {path} ({type(exc).__name__})")
             return None
-        _, manager, watcher = self._process()
+        _, conns, watcher = self._process()
         slot = _Socket()
         ticket = watcher.add(slot, cancelled or _never)  # watched even uncancellable: close() shuts it
-        _current.slot = slot
         try:
-            try:
-                resp = manager.request("GET", url, headers={"Range": f"bytes={start}-{end - 1}"},
-                                       preload_content=False, redirect=False)
-            except Urllib3Error as exc:
-                _raise_cancelled(cancelled, path)
-                raise _transport(exc, path) from None  # its text holds the signed URL
-            finally:
-                _current.slot = None
-            return self._answer(resp, path, end - start, cancelled)
+            resp, conn = self._ask(conns, target, slot, f"bytes={start}-{end - 1}", path, cancelled)
+            return self._answer(resp, conn, conns, target.key, path, end - start, cancelled)
         finally:
             watcher.remove(ticket)
             slot.done()
 
-    def _answer(self, resp: Any, path: str, want: int, cancelled: Callable[[], bool] | None) -> bytes | None:
+    def _ask(self, conns: _Conns, target: _Target, slot: _Socket, ranged: str, path: str,
+             cancelled: Callable[[], bool] | None) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
+        """Send the GET and read the answer's head: (answer, its connection). A kept connection
+        that the server closed before answering (its idle timeout) is replaced by a new one at
+        once, as that failure says nothing of the store."""
+        while True:
+            try:
+                conn, reused = conns.take(target.key)
+            except (OSError, http.client.HTTPException) as exc:
+                _raise_cancelled(cancelled, path)
+                raise _transport(exc, path) from None
+            slot.note(conn.sock)
+            try:
+                conn.request("GET", target.path, headers={"Range": ranged})
+                return conn.getresponse(), conn
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                _raise_cancelled(cancelled, path)
+                if reused and isinstance(exc, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
+                    continue
+                raise _transport(exc, path) from None
+
+    def _answer(self, resp: http.client.HTTPResponse, conn: http.client.HTTPConnection, conns: _Conns,
+                key: tuple[str, str, int], path: str, want: int, cancelled: Callable[[], bool] | None) -> bytes | None:
         whole = False  # the answer read to its end: the connection can serve the next GET
         try:
             if resp.status != 206:
@@ -315,16 +375,21 @@ class PresignedRanges:
                 self._served = True
             return data
         finally:
-            if not whole:
+            if whole and resp.isclosed():
+                conns.give(key, conn)
+            else:
                 resp.close()
-            resp.release_conn()
+                conn.close()
 
     def _refused(self, resp: Any, path: str) -> None:
         """Raise the answers the retry policy needs to see; else forget the URL (the caller gets
         None: s3fs asks)."""
         status = resp.status
         if status == 416 or status == 429 or status >= 500:
-            found = _CODE.search(resp.read(4096, decode_content=False) or b"")
+            try:
+                found = _CODE.search(resp.read(4096) or b"")
+            except (OSError, http.client.HTTPException):
+                found = None
             code = found.group(1).decode() if found else ("InvalidRange" if status == 416 else "")
             raise RangeAnswerError(status, code, path)
         if status == 403 and self._served:  # credentials renewed since: sign every URL again
@@ -342,25 +407,24 @@ class PresignedRanges:
         if done:
             self._give_up(f"{why}, and {GIVE_UP} such answers without one served")
 
-    def _body(self, resp: Any, path: str, want: int, cancelled: Callable[[], bool] | None) -> bytes | None:
-        length = resp.headers.get("Content-Length")
-        size = int(length) if length is not None and length.isdigit() else -1
+    def _body(self, resp: http.client.HTTPResponse, path: str, want: int,
+              cancelled: Callable[[], bool] | None) -> bytes | None:
+        length = resp.getheader("Content-Length")
+        size = int(length) if length is not None and length.isdigit() and not resp.getheader("Content-Encoding") \
+            else -1
         if not 0 <= size <= want:  # not the range asked for: s3fs asks
             self.forget(path)
             self._refused_once(f"HTTP {resp.status} with {size} bytes to a ranged GET of {want} of {path}")
             return None
         body, view = fresh(size)  # read once, into the bytes returned: no zeroing, no copy after
-        # http.client's own readinto fills the view; urllib3's reads into a new bytes and copies
-        raw = getattr(resp, "_fp", None) if not resp.headers.get("Content-Encoding") else None
-        readinto = raw.readinto if hasattr(raw, "readinto") else resp.readinto
         got = 0
         try:
             while got < size:
-                n = readinto(view[got:got + _PIECE])
+                n = resp.readinto(view[got:got + _PIECE])
                 if not n:
                     break
                 got += n
-        except (Urllib3Error, OSError) as exc:
+        except (OSError, http.client.HTTPException) as exc:
             _raise_cancelled(cancelled, path)
             raise _transport(exc, path) from None
         if got < size:
@@ -393,11 +457,14 @@ def usable(options: dict[str, Any]) -> bool:
                 or options.get("s3_additional_kwargs") or options.get("requester_pays"))
 
 
-def _tls(verify: bool | str | None) -> dict[str, Any]:
-    """urllib3's certificate settings for botocore's ``verify``: False (no check), a CA bundle's
-    path, or None (``AWS_CA_BUNDLE``, else botocore's bundle, as botocore does)."""
+def _tls(verify: bool | str | None) -> ssl.SSLContext:
+    """The TLS settings for botocore's ``verify``: False (no check), a CA bundle's path, or None
+    (``AWS_CA_BUNDLE``, else botocore's bundle, as botocore does; else the system's store)."""
     if verify is False:
-        return {"cert_reqs": "CERT_NONE"}
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
     bundle = verify if isinstance(verify, str) else os.environ.get("AWS_CA_BUNDLE")
     if not bundle:
         try:
@@ -406,11 +473,11 @@ def _tls(verify: bool | str | None) -> dict[str, Any]:
             bundle = get_cert_path(True)
         except Exception:  # noqa: BLE001 - the system's store then
             bundle = None
-    return {"cert_reqs": "CERT_REQUIRED", "ca_certs": bundle} if bundle else {}
+    return ssl.create_default_context(cafile=bundle) if bundle else ssl.create_default_context()
 
 
 def _transport(exc: BaseException, path: str) -> Exception:
-    """A urllib3 transport failure as the builtin the retry policy classifies (refused, unresolved,
+    """A transport failure as the builtin the retry policy classifies (refused, unresolved,
     timed out: transient), its text without the signed URL."""
     text = f"{type(exc).__name__} on a ranged GET of {path}"
     chain: list[BaseException] = []
@@ -423,6 +490,6 @@ def _transport(exc: BaseException, path: str) -> Exception:
             return socket.gaierror(e.errno, text)
         if isinstance(e, ConnectionRefusedError):
             return ConnectionRefusedError(text)
-    if any(isinstance(e, (urllib3.exceptions.TimeoutError, TimeoutError)) for e in chain):
+    if any(isinstance(e, TimeoutError) for e in chain):
         return TimeoutError(text)
     return ConnectionError(text)
