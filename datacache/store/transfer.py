@@ -170,31 +170,46 @@ def cat_range(fs: Any, path: str, start: int, end: int, cancelled: Callable[[], 
 
 
 class PrioritySlots:
-    """A counting semaphore whose waiters are served in priority order."""
+    """A counting semaphore whose waiters are served in priority order (lowest first, then in
+    order of arrival). Each waiter waits on a condition of its own over the one lock, and a slot
+    freed wakes only the waiter first in line: with many threads queued (a part mix's fetch
+    threads), one wake-up per slot, not one per waiter that then finds it is not its turn.
+    Thread-safe."""
 
     def __init__(self, n: int) -> None:
         if n < 1:
             raise ValueError("need at least one slot")
         self.n = n
         self._used = 0
-        self._cond = threading.Condition()
-        self._waiting: list[tuple[float, int]] = []
+        self._lock = threading.Lock()
+        self._waiting: list[tuple[float, int, threading.Condition]] = []
         self._tickets = itertools.count()
 
     @contextmanager
     def hold(self, priority: float = 0.0) -> Iterator[None]:
-        ticket = (priority, next(self._tickets))
-        with self._cond:
-            heapq.heappush(self._waiting, ticket)
-            while self._used >= self.n or self._waiting[0] != ticket:
-                self._cond.wait()
-            heapq.heappop(self._waiting)
+        with self._lock:
+            if self._waiting or self._used >= self.n:
+                me = (priority, next(self._tickets), threading.Condition(self._lock))
+                heapq.heappush(self._waiting, me)
+                try:
+                    while self._used >= self.n or self._waiting[0] is not me:
+                        me[2].wait()
+                except BaseException:  # interrupted (Ctrl-C): out of the line, the next one may go
+                    self._waiting.remove(me)
+                    heapq.heapify(self._waiting)
+                    self._wake()
+                    raise
+                heapq.heappop(self._waiting)
             self._used += 1
-            if self._waiting and self._used < self.n:
-                self._cond.notify_all()  # the next in line may take a free slot too
+            self._wake()  # the next in line may take a free slot too
         try:
             yield
         finally:
-            with self._cond:
+            with self._lock:
                 self._used -= 1
-                self._cond.notify_all()
+                self._wake()
+
+    def _wake(self) -> None:
+        """Wake the waiter first in line where a slot is free (the lock held)."""
+        if self._waiting and self._used < self.n:
+            self._waiting[0][2].notify()
