@@ -59,10 +59,13 @@ class Prefetcher(Generic[T, R]):
         self._load, self._size_of, self._release = load, size_of, release
         self.config = config or PrefetchConfig()
         self.name = name
-        # One lock, two conditions: loaders wait for room (woken by takes), the consumer waits for
-        # its result (woken by completions), so neither wakes the other side's idle threads.
+        # One lock, three conditions: loaders wait for room (woken one at a time: a take wakes one,
+        # and a loader that starts an item wakes the next while room is left), loaders beyond the
+        # active count wait apart (woken when it changes), the consumer waits for its result
+        # (woken by completions): no thread is woken only to find it has nothing to do.
         lock = threading.Lock()
         self._cond = threading.Condition(lock)
+        self._spare = threading.Condition(lock)
         self._ready = threading.Condition(lock)
         self._results: dict[int, tuple[bool, Any]] = {}
         self._next_start = 0      # next index a thread will load
@@ -103,7 +106,11 @@ class Prefetcher(Generic[T, R]):
             t.start()
 
     def _may_start(self, slot: int) -> bool:
-        if self._closed or self._next_start >= len(self._items) or slot >= self._active:
+        return slot < self._active and self._room()
+
+    def _room(self) -> bool:
+        """Whether the next item may start now (by an active thread)."""
+        if self._closed or self._next_start >= len(self._items):
             return False
         if self._next_start == self._next_take:
             return True  # the consumer's next item may always start
@@ -118,10 +125,14 @@ class Prefetcher(Generic[T, R]):
                 while not self._may_start(slot):
                     if self._closed or self._next_start >= len(self._items):
                         return
-                    self._cond.wait()
+                    (self._cond if slot < self._active else self._spare).wait()
                 i = self._next_start
                 self._next_start += 1
                 self._started_bytes += self._size_of(self._items[i])
+                if self._next_start >= len(self._items):
+                    self._wake_all()  # every item started: the waiting threads end
+                elif self._room():
+                    self._cond.notify()  # room for one more: the next waiting loader
             try:
                 result: tuple[bool, Any] = (True, self._load(self._items[i]))
             except BaseException as exc:  # handed to the consumer with its traceback
@@ -132,7 +143,7 @@ class Prefetcher(Generic[T, R]):
                     self._results[i] = result
                 if not self._loaded:
                     self._loaded = True
-                    self._cond.notify_all()  # slow start over: the lookahead may start
+                    self._cond.notify()  # slow start over: the lookahead may start (one wakes the next)
                 if i == self._next_take or closed:
                     self._ready.notify()
             if closed:  # released outside the lock: a release may do I/O (a cache unpin)
@@ -170,15 +181,23 @@ class Prefetcher(Generic[T, R]):
             ok, value = self._results.pop(i)
             self._next_take += 1
             self._started_bytes -= self._size_of(self._items[i])
-            self._adapt(waited)
-            self._cond.notify_all()
+            if self._adapt(waited):
+                self._wake_all()  # the active count changed: every loader looks again
+            else:
+                self._cond.notify()  # room freed: one loader (it wakes the next while room is left)
         if not ok:
             raise value
         return value
 
-    def _adapt(self, waited: float) -> None:
-        """AIMD on threads and lookahead (called with the condition held)."""
+    def _wake_all(self) -> None:
+        self._cond.notify_all()
+        self._spare.notify_all()
+
+    def _adapt(self, waited: float) -> bool:
+        """AIMD on threads and lookahead (called with the condition held); whether the number of
+        active threads changed."""
         self.wait_seconds += waited
+        before = self._active
         if waited > _WAIT_EPS:
             self.waits += 1
             self._calm = 0
@@ -186,12 +205,13 @@ class Prefetcher(Generic[T, R]):
                 self._active = min(self._active + 1, self.config.max_threads)
                 self.lookahead = min(self.lookahead + self._step, int(self.config.max_lookahead_bytes))
                 self._spawn(self._active)
-            return
+            return self._active != before
         self._calm += 1
         if self.config.adaptive and self._calm >= _CALM_TAKES:
             self._calm = 0
             self._active = max(self._active // 2, self.config.threads)
             self.lookahead = max(self.lookahead // 2, int(self.config.lookahead_bytes))
+        return self._active != before
 
     @property
     def depth(self) -> int:
@@ -210,7 +230,7 @@ class Prefetcher(Generic[T, R]):
                 return
             self._closed = True
             pending, self._results = self._results, {}
-            self._cond.notify_all()
+            self._wake_all()
             self._ready.notify_all()
         for result in pending.values():
             self._discard(result)
