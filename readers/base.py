@@ -108,8 +108,9 @@ class ShardReader(abc.ABC):
     def get_many(self, indices: list[int], *, copy: bool = False) -> list[Sample]:
         """The samples at ``indices`` (sorted, each in range, else :class:`IndexError`), in that
         order: what many ``get`` calls return, with the format's faster path where it has one
-        (each block decoded once per call). ``copy``: samples that own their memory, views of
-        nothing the reader reuses or maps (a caller that keeps them past the next read)."""
+        (each block decoded once per call). ``copy``: samples that a caller may keep past the next
+        read and the reader's close: memory of their own, or views of a file mapping that no read
+        changes and that outlives the reader (``readers._cowmap``), never of a buffer it reuses."""
         n = len(self)
         if indices and not (0 <= indices[0] and indices[-1] < n):
             raise IndexError(f"{self.path}: sample indices {indices[0]}..{indices[-1]} outside [0, {n})")

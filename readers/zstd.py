@@ -346,23 +346,27 @@ class ZstdShardReader(_BaseReader):
     def _get_many(self, indices: list[int], copy: bool) -> list[Sample]:
         """Sorted ``indices``: the block of each found at once, each block decoded once, and a
         block's several samples at once where their span is uniform (``_uniform``; with ``copy``
-        their bytes copied once for them all)."""
+        their bytes copied once for them all). A raw block's samples are never copied: they are
+        views of the file's mapping (``CowMap``), which no later read changes or unmaps, and which
+        costs no memory of this process's own, unlike a decompressed block's pooled buffer."""
         out: list[Sample] = []
         if not indices:
             return out
         blocks = np.searchsorted(self._first, indices, side="right") - 1
         cuts = np.flatnonzero(np.diff(blocks)) + 1
         for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(indices)]):
-            data = memoryview(self._block(int(blocks[lo])))
+            block = int(blocks[lo])
+            data = memoryview(self._block(block))
+            own = copy and not int(self._blocks[block, 0]) & RAW_BLOCK
             first, last = indices[lo], indices[hi - 1]
-            fast = self._uniform(data, self._samples[first:last + 1], [i - first for i in indices[lo:hi]], copy) \
+            fast = self._uniform(data, self._samples[first:last + 1], [i - first for i in indices[lo:hi]], own) \
                 if hi - lo > 1 else None
             if fast is not None:
                 out += fast
                 continue
             for index, (offset, length) in zip(indices[lo:hi], self._samples[indices[lo:hi]].tolist()):
                 sample = self._decode(data, offset, length, index)
-                out.append(owned(sample) if copy else sample)
+                out.append(owned(sample) if own else sample)
         return out
 
     def _iter_range(self, start: int, stop: int) -> Iterator[Sample]:

@@ -131,9 +131,10 @@ def test_the_stash_gives_each_sample_back_once() -> None:
 
 
 def test_a_leaders_read_for_the_stash_owns_its_memory(tmp_path: Path) -> None:
-    """read_rows(copy=True) (a leader's read, datacache.read.stash): the samples' arrays are views of
-    one array that owns its memory and holds the picked rows alone, so a stashed sample keeps
-    no block buffer (1 MB by default) or shard map alive, and share no memory with the reader."""
+    """read_rows(copy=True) (a leader's read, datacache.read.stash) of compressed blocks: the
+    samples' arrays are views of one array that owns its memory and holds the picked rows alone,
+    so a stashed sample keeps no block buffer (1 MB by default) alive, and shares no memory with
+    the reader's buffers."""
     url = f"file://{tmp_path}/ds"
     write_dataset(({"i": i, "x": np.full(64, i, dtype=np.int32)} for i in range(400)), url,
                   shard_bytes=100_000, progress=False, writer_options={"block_bytes": 4096})
@@ -153,6 +154,29 @@ def test_a_leaders_read_for_the_stash_owns_its_memory(tmp_path: Path) -> None:
     finally:
         handle.release()
         ds.close()
+
+
+def test_a_leaders_read_of_raw_blocks_keeps_views_of_the_file_mapping(tmp_path: Path) -> None:
+    """read_rows(copy=True) of raw (incompressible) blocks copies nothing: each stashed array is a
+    view of the shard file's mapping, which costs no memory of the process's own. Such a view
+    outlives the read, the handle, the reader and the file itself (deleted, as an eviction does):
+    the values stay the written ones."""
+    url = f"file://{tmp_path}/ds"
+    values = {i: np.frombuffer(np.random.default_rng(i).bytes(4096), np.uint8) for i in range(120)}
+    write_dataset(({"i": i, "x": values[i]} for i in range(120)), url, shard_bytes=200_000, progress=False)
+    ds = StreamingDataset(url, cache=NodeCache(CacheConfig(ram_dir=str(tmp_path / "ram"), ram_bytes="4MB")))
+    handle = ds.source.fetch(0)
+    path = handle.path
+    try:
+        kept = ds.source.read_rows(0, handle, [1, 2, 3, 17, 40], copy=True)
+    finally:
+        handle.release()
+    ds.close()
+    os.unlink(path)
+    from datacache.pytorch.gather import _file_backed
+    for r, sample in kept.items():
+        assert _file_backed(sample["x"]), "a view of the mapped shard, not a copy"
+        assert sample["i"] == r and np.array_equal(sample["x"], values[r])
 
 
 @pytest.mark.timeout(180)

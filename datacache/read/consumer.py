@@ -340,7 +340,7 @@ class Consumer:
         are loaded and read here. By row - lo, as ``_read``; None if the shard is skipped."""
         own, ahead = rows.tolist(), reads.tolist()
         mine = set(own)
-        stashing = any(r not in mine for r in ahead)  # only samples kept for later runs need memory of their own
+        stashing = any(r not in mine for r in ahead)  # only samples kept for later runs: read to be kept
         got = self._read(shard, handle, lo, lo, reads, copy=stashing) if handle is not None and ahead else {}
         if not isinstance(got, dict):
             return None

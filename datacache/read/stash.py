@@ -11,9 +11,10 @@ once, and keeps those of later runs in a ``Stash`` until their runs come. The le
 unit anyway, so no byte is fetched earlier; the first chunk's runs read only their own rows.
 The stash holds at most the consumer's rows of the units it has reached and not used up: across
 the node, the sliding window of parts (about ``PART_WINDOW / 2`` parts' samples over the node's
-consumers) plus the epoch's end share. Samples are copied in, so no block's buffer or shard map
-outlives its read (the leader reads them with ``copy=True``: one copy of a block's rows for all
-of them, not one a sample). A run with nothing to read (a *follower*: its rows all come from earlier
+consumers) plus the epoch's end share. The leader reads them with ``copy=True``, so no
+decompressed block's buffer outlives its read (one copy of a block's rows for all of them, not
+one a sample); a raw block's samples stay views of the shard file's mapping, which costs no
+memory of the process's own and which no later read changes. A run with nothing to read (a *follower*: its rows all come from earlier
 runs' reads) never reaches the consumer's prefetch and decode stages: the consumer takes its
 samples from the stash in its own thread, a dictionary lookup per sample.
 """
@@ -72,8 +73,8 @@ class Stash:
 
     def put_many(self, shard: int, samples: dict[int, Any]) -> None:
         """Keep ``samples`` (shard-local row -> sample) of shard ``shard`` for their runs. They
-        must own their memory (``ShardSource.read_rows(copy=True)``: one copy of a block's rows
-        for them all), so that no block buffer or shard map outlives its read."""
+        must be read with ``ShardSource.read_rows(copy=True)`` (see the module docstring), so that
+        no block buffer outlives its read."""
         sized = [((shard, row), (sample, _nbytes(sample))) for row, sample in samples.items()]
         with self._lock:
             self._held.update(sized)
