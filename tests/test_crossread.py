@@ -12,6 +12,7 @@ import subprocess
 import sys
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -192,6 +193,50 @@ def test_large_bytes_values_come_exactly_once_read_from_their_worker(blobs: tupl
     else:
         assert read > 0, "no value was read from a worker"
         assert mapped > 0, "no value was copied from the tier file the worker had mapped"
+
+
+@pytest.mark.timeout(240)
+def test_a_warm_epoch_of_large_bytes_resumed_mid_way_gives_each_value_once(tmp_path: Path,
+                                                                           cache: NodeCache) -> None:
+    """A warm epoch over raw blocks (the values copied from the tier files the workers mapped),
+    stopped after 4 batches and resumed by a new dataset and loader from the loader's state: each
+    sample once over both, every value the written one."""
+    url = f"file://{tmp_path}/ds"
+    write_dataset(({"blob": _blob(i), "id": i} for i in range(300)), url, shard_bytes=1_000_000,
+                  writer_options={"block_bytes": 64_000}, progress=False)
+
+    def loader_of(ds: StreamingDataset) -> Any:
+        return datacache.DataLoader(ds, batch_size=16, num_workers=2, persistent_workers=True)
+
+    ds = StreamingDataset(url, cache=cache, seed=3)
+    loader = loader_of(ds)
+    ids: list[int] = []
+    for _ in loader:  # epoch 0 fills the cache
+        pass
+    ds.set_epoch(1)
+    mapped = crossread.values_mapped()
+    it = iter(loader)
+    for _ in range(4):
+        b = next(it)
+        assert b["blob"] == [_blob(i) for i in b["id"].tolist()]
+        ids += b["id"].tolist()
+    state = loader.state_dict()
+    del it, loader
+    ds.close()
+    again = StreamingDataset(url, cache=cache, seed=3)
+    again.set_epoch(1)
+    loader = loader_of(again)
+    loader.load_state_dict(state)
+    try:
+        for b in loader:
+            assert b["blob"] == [_blob(i) for i in b["id"].tolist()]
+            ids += b["id"].tolist()
+    finally:
+        del loader
+        again.close()
+    assert sorted(ids) == list(range(300)), "each sample once over the two loaders"
+    if crossread.available(os.getpid()):
+        assert crossread.values_mapped() > mapped
 
 
 def test_only_file_mappings_count_as_memory_kept_for_free(tmp_path: Path) -> None:

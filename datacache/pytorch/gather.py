@@ -41,9 +41,9 @@ import numpy as np
 
 from ..errors import ReaderError
 from ..read.batcher import batches as run_batches
+from ..readers._cowmap import origin
 from ..readers.columns import Columns, address_view
 from .collate import _ROW_ALIGN, Field, _up, values, var_field
-from ..readers._cowmap import origin
 from .crossread import MIN_MEAN_BYTES, WHERE
 
 if TYPE_CHECKING:

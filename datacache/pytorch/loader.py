@@ -33,8 +33,8 @@ import torch.utils.data as tud
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..read.headstart import HeadStart
-from .batches import RING_SLOTS, collate
 from . import crossread
+from .batches import RING_SLOTS, collate
 from .bundles import BUNDLE, Unbundler, ring_slots
 from .dataset import StreamingDataset
 from .rounds import Rounds

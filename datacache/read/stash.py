@@ -14,9 +14,10 @@ the node, the sliding window of parts (about ``PART_WINDOW / 2`` parts' samples 
 consumers) plus the epoch's end share. The leader reads them with ``copy=True``, so no
 decompressed block's buffer outlives its read (one copy of a block's rows for all of them, not
 one a sample); a raw block's samples stay views of the shard file's mapping, which costs no
-memory of the process's own and which no later read changes. A run with nothing to read (a *follower*: its rows all come from earlier
-runs' reads) never reaches the consumer's prefetch and decode stages: the consumer takes its
-samples from the stash in its own thread, a dictionary lookup per sample.
+memory of the process's own and which no later read changes. A run with nothing to read (a
+*follower*: its rows all come from earlier runs' reads) never reaches the consumer's prefetch and
+decode stages: the consumer takes its samples from the stash in its own thread, a dictionary lookup
+per sample.
 """
 from __future__ import annotations
 
