@@ -183,13 +183,13 @@ class _Files:
     file, and its values are then read from the producer's memory instead. Tier files are never
     written once their bytes are in a batch, so the file's bytes are the value's.
 
-    Kept at most ``capacity`` files (least recently used dropped); a file deleted since (evicted)
-    is dropped at the next check (``prune``: every ``_CHECK_S`` while batches come, and at each
-    epoch's end), so this process does not keep its space for long; ``close`` drops them all.
-    Where most lookups miss (more files than ``capacity`` in turn), the path turns itself off for
-    this process (``on``: a quarter as many files dropped for room as found), since opening and
-    mapping a file per value costs more than the read it saves. Thread-safe; no lock is held while
-    a file is opened or a value copied; a forked child starts empty."""
+    Kept at most ``capacity`` files (least recently used dropped); a file deleted since (evicted) is
+    dropped at the next check (``prune``: every ``_CHECK_S`` while batches come, and as each
+    ``datacache.DataLoader`` iteration starts), so this process does not keep its space for long;
+    ``close`` drops them all. Where most lookups miss (more files than ``capacity`` in turn), the
+    path turns itself off for this process (``on``: a quarter as many files dropped for room as
+    found), since opening and mapping a file per value costs more than the read it saves. Thread-
+    safe; no lock is held while a file is opened or a value copied; a forked child starts empty."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

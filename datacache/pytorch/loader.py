@@ -133,6 +133,7 @@ class DataLoader(StatefulDataLoader):
             return iter(self._torch)
         self._stop_live()  # its read-ahead out of torch's iterator, which iter() below resets
         self._stop_head()
+        crossread.FILES.prune()  # tier files mapped here and evicted since are let go
         self.dataset.start_iteration()  # its epoch, decided here for the workers
         rounds = self.dataset.worker_rounds(self.num_workers)
         # Planned before the fork, so that the workers inherit the plans (a part mix of 200,000
@@ -225,18 +226,14 @@ class _Counted:
         if ahead is None and not profiled and self._returned >= 0 and \
                 time.perf_counter() - self._returned >= _AHEAD_AFTER:
             ahead = self._ahead = _ReadAhead(self._next)
-        try:
-            if ahead is None:
-                item = self._next()
-            elif profiled:  # a profiler began: the batch asked for, then this thread again
-                item = ahead.take(more=False)
-                ahead.stop()
-                self._ahead = None
-            else:
-                item = ahead.take()
-        except StopIteration:
-            crossread.FILES.prune()  # the epoch's end: evicted tier files mapped here are let go
-            raise
+        if ahead is None:
+            item = self._next()
+        elif profiled:  # a profiler began: the batch asked for, then this thread again
+            item = ahead.take(more=False)
+            ahead.stop()
+            self._ahead = None
+        else:
+            item = ahead.take()
         self.handed += 1
         self._returned = time.perf_counter()
         return item
