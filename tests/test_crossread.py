@@ -71,17 +71,24 @@ cow = CowMap(fd, os.fstat(fd).st_size)
 o = origin(cow.map)
 other = os.open(sys.argv[2], os.O_RDONLY)
 print(json.dumps([o.address, o.fd, o.dev, o.ino, other]), flush=True)
-for line in sys.stdin:  # "swap": the descriptor now names another file
-    os.dup2(other, fd)
+for line in sys.stdin:  # "swap": the descriptor now names another file; "fifo": a FIFO nobody writes
+    if line.strip() == "fifo":
+        fifo = sys.argv[1] + ".fifo"
+        os.mkfifo(fifo)
+        os.dup2(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK), fd)
+    else:
+        os.dup2(other, fd)
     print("swapped", flush=True)
 """
 
 
+@pytest.mark.timeout(60)
 def test_values_in_a_mapped_file_are_copied_from_this_process_s_own_mapping(tmp_path: Path) -> None:
     """Values whose rows name their file (as a worker's mapped tier file gives them) are copied
     from this process's mapping of the same file, opened through the producer's descriptor; a
     descriptor that names another file by then (closed and reused), or a file deleted since,
-    is not used: those values come from the producer's memory, still exact."""
+    is not used: those values come from the producer's memory, still exact; nor is a FIFO opened
+    (without a writer, its open would block)."""
     data = np.random.default_rng(1).bytes(200_000)
     path, other = tmp_path / "shard.bin", tmp_path / "other.bin"
     path.write_bytes(data)
@@ -110,6 +117,13 @@ def test_values_in_a_mapped_file_are_copied_from_this_process_s_own_mapping(tmp_
         fresh.copy(child.pid, where[:, 1:].tolist(), sizes.tolist(), out)
         assert out == [None] * 5 and not fresh._maps, "another file behind the descriptor: not used"
         assert crossread.read_values(child.pid, where, sizes) == want  # this inode, mapped before the swap
+
+        child.stdin.write("fifo\n")  # type: ignore[union-attr]
+        child.stdin.flush()  # type: ignore[union-attr]
+        assert child.stdout.readline().strip() == "swapped"  # type: ignore[union-attr]
+        out = [None] * 5
+        crossread._Files().copy(child.pid, where[:, 1:].tolist(), sizes.tolist(), out)  # opening it would block
+        assert out == [None] * 5, "a FIFO behind the descriptor: not opened"
 
         assert (dev, ino) in files._maps
         path.unlink()

@@ -35,6 +35,7 @@ import errno
 import mmap
 import os
 import resource
+import stat
 import sys
 import threading
 import time
@@ -188,8 +189,9 @@ class _Files:
     ``datacache.DataLoader`` iteration starts), so this process does not keep its space for long;
     ``close`` drops them all. Where most lookups miss (more files than ``capacity`` in turn), the
     path turns itself off for this process (``on``: a quarter as many files dropped for room as
-    found), since opening and mapping a file per value costs more than the read it saves. Thread-
-    safe; no lock is held while a file is opened or a value copied; a forked child starts empty."""
+    found), since opening and mapping a file per value costs more than the read it saves.
+    Thread-safe; no lock is held while a file is opened or a value copied; a forked child starts
+    empty."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -284,9 +286,15 @@ def _capacity() -> int:
 
 
 def _open_mapped(pid: int, fd: int, dev: int, ino: int) -> tuple[int, memoryview] | None:
-    """(descriptor, read-only mapping) of the file open as ``fd`` in ``pid``, if it is (dev, ino)."""
+    """(descriptor, read-only mapping) of the file open as ``fd`` in ``pid``, if it is (dev, ino).
+    A descriptor reused since for a pipe or a device is never opened (stat first; and opened
+    non-blocking, as a pipe's open would wait for a writer)."""
+    link = f"/proc/{pid}/fd/{fd}"
     try:
-        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        st = os.stat(link)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino):
+            return None
+        own = os.open(link, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     try:
