@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch.utils.data
 
+import datacache
 from datacache import CacheConfig, NodeCache, StreamingDataset, write_dataset
 from datacache.plan.ragged import Ragged
+from datacache.read.open_readers import open_shards
 from datacache.read.stash import Stash, read_plan
 
 
@@ -218,3 +220,26 @@ def test_ragged_holds_the_arrays_it_was_given() -> None:
         r[3]
     with pytest.raises(ValueError, match="cuts must run from 0 to 3"):
         Ragged(np.arange(3), np.array([0, 2]))
+
+
+@pytest.mark.timeout(120)
+def test_an_epoch_read_to_its_end_leaves_no_view_of_a_shard_alive(tmp_path: Path, cache: NodeCache) -> None:
+    """The batching stage reads the consumer through a generator that the last batch leaves
+    suspended after its last sample. Closed when the epoch ends, its open runs let their samples go:
+    views of the shard files' mappings (raw blocks, stashed or read), which would keep each kept
+    reader from making its whole-shard table (``CowMap.clean``) until a garbage collection."""
+    url = f"file://{tmp_path}/ds"
+    n = 38 * 16  # whole batches: the last batch asks the generator for no sample beyond the last
+    write_dataset(({"i": i, "x": np.frombuffer(np.random.default_rng(i).bytes(4096), np.uint8)} for i in range(n)),
+                  url, shard_bytes=200_000, progress=False)
+    ds = StreamingDataset(url, cache=cache, batch_size=16, seed=3)
+    loader = datacache.DataLoader(ds, batch_size=16, num_workers=0)
+    seen = [int(i) for batch in loader for i in batch["i"]]
+    assert sorted(seen) == list(range(n))
+    readers = [r for r, _ in open_shards()._idle.values()  # this test's: the process's may hold others'
+               if getattr(r, "_cow", None) is not None and str(r.path).startswith(str(tmp_path))]
+    assert readers, "the epoch kept its shards' readers open"
+    for r in readers:
+        r.prepare_tables()
+    assert all(r._whole not in (None, False) for r in readers), "a view handed out in the epoch is still alive"
+    ds.close()

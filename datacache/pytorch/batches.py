@@ -524,4 +524,4 @@ def batched(consumer: Consumer, batches: WorkerBatches, collate: Callable[[list[
             return None
         return collate(batch), consumer.consumed
 
-    return run_batches(consumer, batches.count, make_batch, mark)
+    return run_batches(consumer, batches.count, make_batch, mark, finish=samples.close)

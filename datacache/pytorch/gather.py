@@ -392,4 +392,8 @@ def gathered(consumer: Consumer, batches: WorkerBatches, gather: Callable[[list[
         consumer.consumed = int(table.step.pos[end - 1]) + 1
         return batch, consumer.consumed
 
-    return run_batches(consumer, batches.count, make_batch, mark)
+    def finish() -> None:
+        current[:] = [None, 0]
+        steps.close()
+
+    return run_batches(consumer, batches.count, make_batch, mark, finish=finish)

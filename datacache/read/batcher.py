@@ -11,6 +11,12 @@ Lifetime: the thread ends with the loop (its end, or the generator closed), and 
 consumer is closed by anyone (``Consumer.attach``): a loop abandoned in a reference cycle, which
 only the garbage collector would close, stops when its dataset starts its next iteration or is
 closed. Used by one iterating thread; the batcher thread is the only other one.
+
+``finish`` runs once the loop ends and the thread has stopped: ``make_batch`` reads the consumer
+through a generator of its own, which the last batch leaves suspended after its last sample (it is
+never asked for one more). Its open runs keep their samples until it is closed, and a sample that
+is a view of a shard's mapping keeps that shard's reader from its whole-shard table
+(``readers._cowmap``) for as long as the stage is referenced.
 """
 from __future__ import annotations
 
@@ -28,9 +34,9 @@ AHEAD = 4  # batches made ahead of the one handed out
 
 
 def batches(consumer: "Consumer", count: int, make_batch: Callable[[int], tuple[Any, int] | None],
-            mark: Callable[[int], None]) -> Iterator[Any]:
+            mark: Callable[[int], None], *, finish: Callable[[], None] | None = None) -> Iterator[Any]:
     """Yield up to ``count`` batches: ``make_batch(j)`` gives (batch, plan position after it), or
-    None once the consumer has no more; ``mark`` as the module docstring says."""
+    None once the consumer has no more; ``mark`` and ``finish`` as the module docstring says."""
     batcher: Prefetcher[int, Any] = Prefetcher.bounded(range(count), make_batch, ahead=AHEAD,
                                                        name=f"{consumer.prefetcher.name}-batch")
     consumer.attach(batcher)
@@ -44,3 +50,5 @@ def batches(consumer: "Consumer", count: int, make_batch: Callable[[int], tuple[
     finally:
         consumer.close()  # first: wakes the batcher thread if it waits on the consumer (Ctrl-C)
         batcher.close()
+        if finish is not None and not batcher.running():
+            finish()

@@ -239,6 +239,10 @@ class Prefetcher(Generic[T, R]):
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
 
+    def running(self) -> bool:
+        """Whether a thread of this pool is still alive (``close`` gave up waiting for it)."""
+        return any(t.is_alive() for t in self._threads if t is not threading.current_thread())
+
     def __enter__(self) -> "Prefetcher[T, R]":
         return self
 
