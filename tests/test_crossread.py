@@ -295,3 +295,37 @@ def test_the_heap_keeps_a_batch_of_values_warm_once_reserved() -> None:
                              env={**os.environ, "PYTHONPATH": os.getcwd()})
         return int(out.stdout)
     assert given("plain") >= 32 * 65536 // 2 and given("reserve") == 0
+
+
+def test_a_forked_child_starts_with_no_mapped_file_and_closes_the_parent_s_descriptors(tmp_path: Path) -> None:
+    """The training process's mapped files (``crossread.FILES``) are not a forked child's: it
+    starts empty, and its copies of the parent's descriptors are closed (else each fork leaks them)."""
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    files = crossread.FILES  # its fork handler is registered at import
+    try:
+        st = os.fstat(fd)
+        assert files.view(os.getpid(), fd, st.st_dev, st.st_ino) is not None
+        kept = files._maps[(st.st_dev, st.st_ino)][0]
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report and leave at once, running nothing of the parent's
+            try:
+                try:
+                    os.fstat(kept)
+                    still_open = 1
+                except OSError:
+                    still_open = 0
+                os.write(w, json.dumps([len(files._maps), still_open]).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            got = json.loads(f.read())
+        os.waitpid(pid, 0)
+        assert got == [0, 0]
+        os.fstat(kept)  # the parent's own is still open
+    finally:
+        files.close()
+        os.close(fd)

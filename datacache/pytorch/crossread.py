@@ -196,7 +196,6 @@ class _Files:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._maps: OrderedDict[tuple[int, int], tuple[int, memoryview]] = OrderedDict()
-        self._pid = os.getpid()
         self._checked = time.monotonic()
         self.hits = self.misses = self.evicted = 0
         self.on = os.environ.get(_ENV, "1").strip() != "0"
@@ -222,8 +221,6 @@ class _Files:
     def view(self, pid: int, fd: int, dev: int, ino: int) -> memoryview | None:
         """This process's mapping of the file (``st_dev``, ``st_ino``) open as ``fd`` in ``pid``,
         or None (not that file any more, not mappable, or the path is off)."""
-        if os.getpid() != self._pid:
-            self.__init__()  # type: ignore[misc]  # a forked child: the parent's state is not its own
         if time.monotonic() - self._checked > _CHECK_S:
             self.prune()
         with self._lock:
@@ -236,17 +233,20 @@ class _Files:
         opened = _open_mapped(pid, fd, dev, ino)
         if opened is None:
             return None
+        dropped: list[int] = []
         with self._lock:
             known = self._maps.get((dev, ino))
             if known is None:
                 self._maps[(dev, ino)] = opened
                 while len(self._maps) > self.capacity:
-                    _, (old, _) = self._maps.popitem(last=False)
-                    os.close(old)
-                    self.evicted += 1
+                    dropped.append(self._maps.popitem(last=False)[1][0])
+                self.evicted += len(dropped)
                 if self.evicted > _MIN_EVICTED and 4 * self.evicted > self.hits:
                     self.on = False  # more files in turn than it keeps: each value would open one
-                return opened[1]
+        for old in dropped:
+            os.close(old)
+        if known is None:
+            return opened[1]
         os.close(opened[0])  # another thread mapped it meanwhile
         return known[1]
 
@@ -263,10 +263,20 @@ class _Files:
             except OSError:
                 gone.append(key)
         with self._lock:
-            for key in gone:
-                got = self._maps.pop(key, None)
-                if got is not None:
-                    os.close(got[0])
+            dropped = [got[0] for got in (self._maps.pop(key, None) for key in gone) if got is not None]
+        for fd in dropped:
+            os.close(fd)
+
+    def after_fork_in_child(self) -> None:
+        """A forked child starts empty, with a lock of its own (another thread of the parent may
+        have held the parent's); it closes its copies of the parent's descriptors."""
+        inherited = [fd for fd, _ in self._maps.values()]
+        self.__init__()  # type: ignore[misc]
+        for fd in inherited:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Unmap every file (each mapping goes once no copy uses it); idempotent."""
@@ -309,3 +319,4 @@ def _open_mapped(pid: int, fd: int, dev: int, ino: int) -> tuple[int, memoryview
 
 
 FILES = _Files()
+os.register_at_fork(after_in_child=FILES.after_fork_in_child)
