@@ -141,6 +141,16 @@ class CowMap:
         self._reclaim()
         return not self._maybe.any()
 
+    def unwritten(self) -> bool:
+        """Whether every byte reads as in the file through ``map`` now: no page is handed out, or
+        none of those handed out (and alive) has been written (``/proc/self/pagemap``; unknown:
+        False). Unlike ``clean`` it may stop holding at any time, as a live view may write; a
+        caller that parses the file through ``map`` checks it before and after (a page once
+        written stays a private copy until this map reclaims it, in the caller's thread)."""
+        self._reclaim()
+        held = np.flatnonzero(self._maybe)
+        return not len(held) or not self._written(int(held[0]), int(held[-1]) + 1)
+
     def handed_out(self, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Which of the regions ``offsets``/``lengths`` hold a page that a view handed out and still
         alive may have written (the rest read as in the file through ``map``); reclaims first."""

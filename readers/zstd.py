@@ -426,7 +426,7 @@ class ZstdShardReader(_BaseReader):
         read it as tables (``datacache.read.open_readers``). So a shard first read sample by sample
         (a cold epoch's part mix, behind the link) has its table before the first columnar epoch,
         whose runs then take their rows from it. Tried again at each call until made (a view of a
-        sample handed out and still alive may stop it)."""
+        sample handed out and alive that wrote into the file's pages stops it)."""
         if self._whole is not None:
             return
         self._ensure_open()
@@ -436,26 +436,43 @@ class ZstdShardReader(_BaseReader):
     def _whole_table(self, n: int) -> Columns | None:
         """Every row's table, made at the reader's second call (a reader kept across runs and epochs;
         or earlier, ``prepare_tables``) and kept while the mapping is open, where every block is raw
-        (each row's bytes are then at a fixed address of the mapping) and no region handed out may
-        have been written (``CowMap.clean``): a warm epoch's runs are then rows taken from it, with
-        no parse and no per-block work. None where that does not hold (then read as asked)."""
+        (each row's bytes are then at a fixed address of the mapping; ``_make_whole``). Given only
+        while no region handed out may have been written (``CowMap.clean``): a warm epoch's runs
+        are then rows taken from it, with no parse and no per-block work. None where that does not
+        hold (then read as asked)."""
         assert self._cow is not None
-        if self._whole is None:  # the reader's own view of its current raw block would count as handed out
-            self._cached = (-1, memoryview(b""))
-        if self._whole is False or not self._cow.clean():
+        if self._whole is False:
             return None
+        if self._cached[0] >= 0:  # the reader's own view of its current raw block would count as handed out
+            self._cached = (-1, memoryview(b""))
         if self._whole is None and not self._read_before:  # a reader read once (a partial copy's) makes none
             self._read_before = True
             return None
         if self._whole is None:
-            raw = (self._blocks[:, 0] & np.uint64(RAW_BLOCK)) != 0
-            try:
-                table = self._table(np.arange(n, dtype=np.int64), None) if raw.all() and n else None
-            except ReaderError:  # a bad row: only the runs that read it fail, as without the whole table
-                table = None
-            self._whole = table if table is not None else False
-            return table
-        return self._whole  # type: ignore[return-value]
+            self._whole = self._make_whole(n)
+        whole = self._whole
+        return whole if isinstance(whole, Columns) and self._cow.clean() else None
+
+    def _make_whole(self, n: int) -> Columns | bool | None:
+        """The whole-shard table, False where none can be made (a block not raw, or a row the
+        table cannot hold), None where not now: a view handed out and alive wrote one of its pages,
+        before or during the parse (``CowMap.unwritten``). Views alive that wrote nothing do not
+        stop it (a cold epoch's kept rows), so the parse (and its page faults) happens while they
+        live; the table is used only once none is alive (``clean``), when the written pages, if
+        any, read as in the file again."""
+        assert self._cow is not None
+        raw = (self._blocks[:, 0] & np.uint64(RAW_BLOCK)) != 0
+        if not (raw.all() and n):
+            return False
+        if not self._cow.unwritten():
+            return None
+        try:
+            table = self._table(np.arange(n, dtype=np.int64), None)
+        except ReaderError:  # a bad row: only the runs that read it fail, as without the whole table
+            table = None
+        if not self._cow.unwritten():
+            return None
+        return table if table is not None else False
 
     def _table(self, idx: np.ndarray, blocks: BlockCache | None) -> Columns | None:
         """The table of rows ``idx`` (sorted, not empty), block by block (see ``columns``)."""

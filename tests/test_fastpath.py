@@ -188,6 +188,42 @@ def test_a_reader_handed_out_again_for_tables_makes_its_whole_table_first(tmp_pa
     plain.close()
 
 
+def test_a_whole_table_is_made_beside_live_views_that_wrote_nothing_and_used_once_they_are_gone(
+        tmp_path: Any) -> None:
+    """A cold epoch's kept rows are live views of the mapping: the whole-shard table is parsed
+    while they live if none of them wrote (so its page faults happen then, not before the first
+    warm batch), and is used only once no view is alive. A view that writes after the parse keeps
+    it unused; its rows read as in the file, before and after the view is gone."""
+    from datacache.readers.columns import Columns
+
+    fmt = readers.get_format("zstd")
+    samples = _samples(40)
+    path = _write(tmp_path / "s.dcz", samples, block_bytes=1 << 12)
+    shards = OpenShards(max_open=4, sweep_every=0)
+    r = shards.checkout(fmt, path, {}, tables=True)
+    from datacache.readers import _cowmap
+    if _cowmap._pagemap() is None:
+        pytest.skip("no readable /proc/self/pagemap: every page handed out counts as written")
+    kept = r.get_many([3, 4, 30], copy=True)  # views of the raw blocks, as a part mix stashes them
+    shards.checkin(fmt, path, r, {})
+    assert shards.checkout(fmt, path, {}, tables=True) is r and isinstance(r._whole, Columns), \
+        "made beside views that wrote nothing"
+    assert r._whole_table(40) is None, "not used while a view is alive"
+    kept[0]["image"][:] = 0  # a write after the parse
+    rows = np.array([0, 3, 30, 39])
+    for table in (r.columns(0, 40, rows), None):
+        if table is None:
+            del kept
+            gc.collect()
+            table = r.columns(0, 40, rows)
+        assert isinstance(table, Columns)
+        for k, i in enumerate(rows.tolist()):
+            assert np.array_equal(table.sample(k)["image"], samples[i]["image"]), f"row {i}"
+    assert r._whole_table(40) is r._whole, "used once no view is alive"
+    shards.checkin(fmt, path, r, {})
+    shards.close()
+
+
 def test_a_reader_that_fails_to_prepare_its_tables_is_closed_not_left_mapped(tmp_path: Any) -> None:
     fmt = readers.get_format("zstd")
     path = _write(tmp_path / "s.dcz", _samples(8), block_bytes=1 << 12)
