@@ -243,3 +243,29 @@ def test_an_epoch_read_to_its_end_leaves_no_view_of_a_shard_alive(tmp_path: Path
         r.prepare_tables()
     assert all(r._whole not in (None, False) for r in readers), "a view handed out in the epoch is still alive"
     ds.close()
+
+
+def test_a_shard_read_once_for_a_dataset_read_as_tables_has_its_table_when_it_is_checked_in(tmp_path: Path,
+                                                                                            cache: NodeCache) -> None:
+    """A cold part mix reads most shards through their partial copies, and each from the cache at
+    most once or twice (the copy completes at its last unit): the kept reader of the cached file
+    makes its whole-shard table as that read checks it in, so the first warm epoch does not make
+    every table (and fault in every page) before its first batch."""
+    from datacache.readers.columns import Columns
+
+    url = f"file://{tmp_path}/ds"
+    write_dataset(({"i": i, "x": np.frombuffer(np.random.default_rng(i).bytes(4096), np.uint8)} for i in range(120)),
+                  url, shard_bytes=200_000, progress=False)
+    ds = StreamingDataset(url, cache=cache, batch_size=8)
+    ds.source.tables = True  # as a columnar dataset's consumer sets it
+    handle = ds.source.fetch(0)
+    try:
+        got = ds.source.read_rows(0, handle, [1, 2, 40])
+        assert [int(s["i"]) for s in got.values()] == [1, 2, 40]
+        path = handle.path
+    finally:
+        handle.release()
+    del got
+    kept = [r for r, _ in open_shards()._idle.values() if str(r.path) == str(path)]
+    assert len(kept) == 1 and isinstance(kept[0]._whole, Columns), "the table is made as the read checks it in"
+    ds.close()

@@ -396,6 +396,10 @@ class ShardSource:
                 raise
             if not pooled:
                 return out, reader
+            if self.tables:  # read as tables in a later epoch: its table now, not before that epoch's first batch
+                prepare = getattr(reader, "prepare_tables", None)
+                if prepare is not None:
+                    prepare()
             pool.checkin(self.fmt, path, reader, self.reader_options)
             return out
         except (ShardReaderError, ValueError, OSError) as exc:
