@@ -422,8 +422,9 @@ class ZstdShardReader(_BaseReader):
 
     def prepare_tables(self) -> None:
         """Make the whole-shard table (``_whole_table``) now if it can be made, rather than at the
-        second ``columns`` call: a reader kept across reads, handed out again to a caller that will
-        read it as tables (``datacache.read.open_readers``). So a shard first read sample by sample
+        second ``columns`` call: a reader kept across reads, for a caller that will read it as tables
+        (``datacache.read.open_readers`` as it hands the reader out again, and
+        ``datacache.read.shard_source`` as a read checks it back in). So a shard first read sample by sample
         (a cold epoch's part mix, behind the link) has its table before the first columnar epoch,
         whose runs then take their rows from it. Tried again at each call until made (a view of a
         sample handed out and alive that wrote into the file's pages stops it)."""
