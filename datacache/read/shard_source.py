@@ -391,15 +391,13 @@ class ShardSource:
             try:
                 self._check_count(shard, reader)
                 out = work(reader)
-            except BaseException:
+                if pooled and self.tables:  # read as tables later: its table now, not before that epoch's first batch
+                    getattr(reader, "prepare_tables", lambda: None)()
+            except BaseException:  # a reader neither returned nor kept is closed, not left mapped
                 reader.close()
                 raise
             if not pooled:
                 return out, reader
-            if self.tables:  # read as tables in a later epoch: its table now, not before that epoch's first batch
-                prepare = getattr(reader, "prepare_tables", None)
-                if prepare is not None:
-                    prepare()
             pool.checkin(self.fmt, path, reader, self.reader_options)
             return out
         except (ShardReaderError, ValueError, OSError) as exc:
