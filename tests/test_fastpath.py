@@ -6,6 +6,8 @@ import gc
 import multiprocessing
 import os
 import re
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -422,3 +424,53 @@ def test_batches_alive_when_the_interpreter_exits_free_their_slots_quietly(tmp_p
                          stdin=subprocess.DEVNULL)
     assert got.returncode == 0 and got.stdout.split() == ["200"], got.stderr
     assert "Exception ignored" not in got.stderr and "Traceback" not in got.stderr, got.stderr
+
+
+def test_a_reader_checked_in_makes_its_table_only_where_the_pool_keeps_it(tmp_path: Any) -> None:
+    """``checkin(tables=True)`` makes the whole-shard table of a reader the pool has room for, so
+    a shard read once has it before its first columnar read; in a full pool (a process reading
+    more shards than it keeps open) the reader may be closed before its next read, and making
+    its table would parse every row for nothing: it is left to that read's checkout."""
+    from datacache.readers.columns import Columns
+
+    fmt = readers.get_format("zstd")
+    paths = [_write(tmp_path / f"s{k}.dcz", _samples(12), block_bytes=1 << 12) for k in range(3)]
+    shards = OpenShards(max_open=2, sweep_every=0)
+    got, made = [], []
+    for path in paths:
+        r = shards.checkout(fmt, path, {}, tables=True)
+        r.get_many([0, 5])
+        shards.checkin(fmt, path, r, {}, tables=True)
+        got.append(r)
+        made.append(isinstance(r._whole, Columns))
+    assert made == [True, True, False]
+    assert got[0].closed and not got[2].closed, "the oldest reader made room for the newest"
+    assert shards.checkout(fmt, paths[2], {}, tables=True) is got[2] and isinstance(got[2]._whole, Columns), \
+        "made as it is handed out again"
+    shards.checkin(fmt, paths[2], got[2], {}, tables=True)
+    r = shards.checkout(fmt, paths[1], {}, tables=True)
+    assert r is got[1], "checking a reader in again counts its own place as room"
+    shards.checkin(fmt, paths[1], r, {}, tables=True)
+    shards.close()
+
+
+def test_the_pool_of_open_readers_is_sized_by_the_descriptor_limit() -> None:
+    """A quarter of the soft limit on open descriptors, between 64 and 4,096 (a child process,
+    so that this one's limit is left alone)."""
+    code = ("import resource, sys\n"
+            "from datacache.read.open_readers import OpenShards, default_max_open\n"
+            "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+            "out = []\n"
+            "for soft in (128, 1024, 4000, 100000):\n"
+            "    if hard != resource.RLIM_INFINITY and soft > hard:\n"
+            "        out.append(None); continue\n"
+            "    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))\n"
+            "    out.append(default_max_open())\n"
+            "print(out, OpenShards().max_open == default_max_open(), OpenShards(max_open=3).max_open)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr
+    sizes, default, explicit = res.stdout.split("] ")[0] + "]", *res.stdout.split("] ")[1].split()
+    for soft, want, got in zip((128, 1024, 4000, 100000), (64, 256, 1000, 4096), sizes.strip("[]").split(", ")):
+        assert got == "None" or int(got) == want, f"soft limit {soft}: {got} readers, not {want}"
+    assert default == "True" and explicit == "3"

@@ -15,22 +15,25 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import resource
 import threading
 import time
 from typing import Any
 
 from ..readers import ShardFormat
 
-__all__ = ["OpenShards", "open_shards"]
+__all__ = ["OpenShards", "default_max_open", "open_shards"]
 
 
 class OpenShards:
-    """Up to ``max_open`` idle readers of local shard files (see the module docstring), holding at
-    most ``max_held`` bytes of memory of their own (``held_bytes``: a compressed MDS or LitData
-    shard's inflated copy; mappings are not counted) beside the newest one."""
+    """Up to ``max_open`` idle readers of local shard files (see the module docstring; by default
+    a quarter of the process's descriptor limit, ``default_max_open``), holding at most
+    ``max_held`` bytes of memory of their own (``held_bytes``: a compressed MDS or LitData shard's
+    inflated copy; mappings are not counted) beside the newest one."""
 
-    def __init__(self, max_open: int = 64, sweep_every: float = 1.0, max_held: int = 256 << 20) -> None:
-        self.max_open, self.sweep_every, self.max_held = max_open, sweep_every, max_held
+    def __init__(self, max_open: int | None = None, sweep_every: float = 1.0, max_held: int = 256 << 20) -> None:
+        self.max_open = default_max_open() if max_open is None else max_open
+        self.sweep_every, self.max_held = sweep_every, max_held
         self._swept = 0.0
         self._holding = False  # whether a reader ever held memory of its own (else none is summed)
         self._idle: collections.OrderedDict[tuple[str, str, str], tuple[Any, tuple[int, int, int]]] = \
@@ -63,9 +66,24 @@ class OpenShards:
         reader._datacache_identity = identity
         return reader
 
-    def checkin(self, fmt: ShardFormat, path: str, reader: Any, options: dict[str, Any]) -> None:
-        """Keep ``reader`` for the next run of the same file with the same ``options``."""
+    def checkin(self, fmt: ShardFormat, path: str, reader: Any, options: dict[str, Any], *,
+                tables: bool = False) -> None:
+        """Keep ``reader`` for the next run of the same file with the same ``options``. ``tables``:
+        as ``checkout``'s; a reader the pool has room for (it evicts no other to keep it) makes
+        its whole-shard table now, in the caller's thread, so that a shard read once (a cold
+        epoch's) has it before its first columnar read. Where the pool is full (a process reading
+        more shards than it keeps open), the reader may be closed before its next read, and its
+        table is left to that read's ``checkout``."""
         key = (fmt.name, path, _options_key(options))
+        if tables:
+            with self._lock:
+                room = len(self._idle) - (key in self._idle) < self.max_open
+            if room:
+                try:
+                    reader.prepare_tables()
+                except BaseException:  # a reader neither kept nor handed back is closed, not left mapped
+                    reader.close()
+                    raise
         with self._lock:
             old = self._idle.pop(key, None)
             self._idle[key] = (reader, reader._datacache_identity)
@@ -105,6 +123,19 @@ class OpenShards:
             idle, self._idle = list(self._idle.values()), collections.OrderedDict()
         for reader, _ in idle:
             reader.close()
+
+
+def default_max_open() -> int:
+    """Idle readers kept by default: a quarter of the process's soft limit on open descriptors
+    (each reader holds one), between 64 and 4,096. A process reading more shards than this
+    reopens and maps them again as it reads them."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        soft = 1024
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        soft = 1 << 16
+    return max(64, min(4096, soft // 4))
 
 
 def _held(reader: Any) -> int:

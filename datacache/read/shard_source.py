@@ -391,14 +391,12 @@ class ShardSource:
             try:
                 self._check_count(shard, reader)
                 out = work(reader)
-                if pooled and self.tables:  # read as tables later: its table now, not before that epoch's first batch
-                    getattr(reader, "prepare_tables", lambda: None)()
             except BaseException:  # a reader neither returned nor kept is closed, not left mapped
                 reader.close()
                 raise
             if not pooled:
                 return out, reader
-            pool.checkin(self.fmt, path, reader, self.reader_options)
+            pool.checkin(self.fmt, path, reader, self.reader_options, tables=self.tables)
             return out
         except (ShardReaderError, ValueError, OSError) as exc:
             if isinstance(exc, (ReaderError, IntegrityError)) or (not pooled and isinstance(exc, FileNotFoundError)):
