@@ -152,6 +152,32 @@ def test_open_shards_reuses_a_reader_until_its_file_changes(tmp_path: Any) -> No
     assert r3._closed
 
 
+def test_open_shards_takes_the_identity_of_a_pinned_file_from_its_descriptor(tmp_path: Any) -> None:
+    """A caller holding the file open (a cache entry's pin) passes its descriptor: the reader is
+    checked against the file it pins, whatever the path names meanwhile, and a descriptor of
+    another file gets another reader."""
+    fmt = readers.get_format("zstd")
+    path = _write(tmp_path / "s.dcz", _samples(5))
+    shards = OpenShards(max_open=2, sweep_every=0)
+    pin = os.open(path, os.O_RDONLY)
+    try:
+        r1 = shards.checkout(fmt, path, {}, fd=pin)
+        shards.checkin(fmt, path, r1, {})
+        os.replace(_write(tmp_path / "t.dcz", _samples(7)), path)  # the path names another file now
+        assert shards.checkout(fmt, path, {}, fd=pin) is r1, "the pinned file is the reader's"
+        shards.checkin(fmt, path, r1, {})
+        new = os.open(path, os.O_RDONLY)
+        try:
+            r2 = shards.checkout(fmt, path, {}, fd=new)
+            assert r2 is not r1 and len(r2) == 7 and r1._closed
+            shards.checkin(fmt, path, r2, {})
+        finally:
+            os.close(new)
+    finally:
+        os.close(pin)
+    shards.close()
+
+
 def test_a_reader_handed_out_again_for_tables_makes_its_whole_table_first(tmp_path: Any) -> None:
     """A cached shard's reader kept open and handed out again to a caller that reads tables
     (``checkout(tables=True)``) makes its whole-shard table then, even if it was only read sample by

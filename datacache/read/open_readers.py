@@ -40,12 +40,15 @@ class OpenShards:
             collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def checkout(self, fmt: ShardFormat, path: str, options: dict[str, Any], *, tables: bool = False) -> Any:
+    def checkout(self, fmt: ShardFormat, path: str, options: dict[str, Any], *, tables: bool = False,
+                 fd: int | None = None) -> Any:
         """An open reader of ``path`` (reused if its file is unchanged); give it back with ``checkin``.
         ``tables``: the caller reads this file as tables, now or in a later epoch: a reader handed
         out again (so one kept across reads) makes its whole-shard table first, where it can and
-        has none (``ShardReader.prepare_tables``), in the caller's thread."""
-        identity = _identity(path)
+        has none (``ShardReader.prepare_tables``), in the caller's thread. ``fd``: a descriptor
+        of the file ``path`` names, held open by the caller for as long as the reader is out (a
+        cache entry's pin): the file's identity is taken from it, without a lookup of ``path``."""
+        identity = _identity(path) if fd is None else _identity_of(fd)
         key = (fmt.name, path, _options_key(options))
         with self._lock:
             entry = self._idle.pop(key, None)
@@ -150,6 +153,14 @@ def _options_key(options: dict[str, Any]) -> str:
 def _identity(path: str) -> tuple[int, int, int]:
     try:
         st = os.stat(path)
+    except OSError:
+        return (-1, -1, -1)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _identity_of(fd: int) -> tuple[int, int, int]:
+    try:
+        st = os.fstat(fd)
     except OSError:
         return (-1, -1, -1)
     return (st.st_ino, st.st_size, st.st_mtime_ns)

@@ -323,7 +323,8 @@ class ShardSource:
             if handle is None:
                 continue
             try:
-                value = self._read_with(shard, handle.path, lambda r: getattr(r, "inflation", None), pooled=True)
+                value = self._read_with(shard, handle.path, lambda r: getattr(r, "inflation", None), pooled=True,
+                                        fd=handle.fd)
             except (ReaderError, IntegrityError):
                 return None  # read again, where the error is reported as a read's
             finally:
@@ -373,19 +374,21 @@ class ShardSource:
             except FileNotFoundError:  # completed into the cache by another process meanwhile
                 cached = self.fetch(shard)
                 try:
-                    return self._read_with(shard, cached.path, work, pooled=True)
+                    return self._read_with(shard, cached.path, work, pooled=True, fd=cached.fd)
                 finally:
                     cached.release()
-        return self._read_with(shard, handle.path, work, pooled=True)
+        return self._read_with(shard, handle.path, work, pooled=True, fd=handle.fd)
 
-    def _read_with(self, shard: int, path: str, work: Callable[[Any], Any], *, pooled: bool) -> Any:
+    def _read_with(self, shard: int, path: str, work: Callable[[Any], Any], *, pooled: bool,
+                   fd: int | None = None) -> Any:
         """``work(reader)`` over the file ``path`` (a reader from the process's pool: a cache entry,
-        whose bytes never change), or ``work`` of a fresh reader, open, returned with the result
-        (``pooled=False``: a partial copy's, kept by ``_PartReaders``)."""
+        whose bytes never change; ``fd``: the pin's descriptor of it, see ``OpenShards.checkout``),
+        or ``work`` of a fresh reader, open, returned with the result (``pooled=False``: a partial
+        copy's, kept by ``_PartReaders``)."""
         pool = open_shards()
         try:
             if pooled:
-                reader = pool.checkout(self.fmt, path, self.reader_options, tables=self.tables)
+                reader = pool.checkout(self.fmt, path, self.reader_options, tables=self.tables, fd=fd)
             else:
                 reader = self.fmt.open(path, **self.reader_options)
             try:
