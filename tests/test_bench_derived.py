@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_issue40_scenarios_tiny(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--systems", "datacache",
-           "--variants", "default,never", "--scenario", "raw,raw-bytes,limited-bytes,images",
+           "--variants", "default,never", "--scenario", "raw,raw-bytes,limited-bytes,raw-shards,images",
            "--size", "2MB", "--images-size", "1MB", "--shard-bytes", "256KB",
            "--sample-bytes", "16KiB", "--bandwidth", "50MB", "--latency", "0.002", "--compute", "0.001",
            "--out", str(out)]
@@ -28,7 +28,8 @@ def test_bench_issue40_scenarios_tiny(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     runs = {(r["scenario"], r["system"]) for r in lines}
     assert runs == {("raw", "datacache"), ("raw", "datacache+never"), ("raw-bytes", "datacache"),
-                    ("raw-bytes", "datacache+never"), ("limited-bytes", "datacache"), ("images", "datacache")}, runs
+                    ("raw-bytes", "datacache+never"), ("limited-bytes", "datacache"), ("raw-shards", "datacache"),
+                    ("images", "datacache")}, runs
     for r in lines:
         assert "error" not in r and "aborted" not in r, r
         assert r["samples"] == r["n"] == r["unique_samples"], r  # every sample once, every epoch
@@ -45,6 +46,8 @@ def test_bench_issue40_scenarios_tiny(tmp_path: Path) -> None:
     report = (out / "results.md").read_text()
     assert "| CPU s/GB |" in report and "images/s; loader" in report
     assert "x raw's GB/s (>=0.80)" in report and "x node_shuffle='never' (>=0.90)" in report
+    shards = {r["shard_bytes"] for r in lines if r["scenario"] in ("raw", "raw-shards") and r["system"] == "datacache"}
+    assert len(shards) == 2, shards  # the raw-shards dataset: the same samples, in 16 times as many shards
     from tools.bench_text import BEGIN, END, HEADLINE_BEGIN, HEADLINE_END
 
     readme = tmp_path / "README.md"
@@ -59,8 +62,8 @@ def test_bench_issue40_scenarios_tiny(tmp_path: Path) -> None:
 
 
 def test_derived_scenarios_are_their_base_with_one_change() -> None:
-    """small-1024, raw-bytes, warm-bytes, limited-bytes: the base scenario's settings but the batch or
-    the dataset; images: warm from the cache, no compute, batch 64; never runs beside raw and small."""
+    """small-1024, raw-bytes, warm-bytes, limited-bytes, raw-shards: the base scenario's settings but
+    the batch or the dataset; images: warm from the cache, no compute, batch 64; never runs beside raw and small."""
     from tools import bench, bench_derived
 
     a = bench.parse_args(["--out", "x", "--scenario", ",".join(bench_derived.SCENARIOS)])
@@ -69,6 +72,7 @@ def test_derived_scenarios_are_their_base_with_one_change() -> None:
         assert {**bench.scenario(base, a), **change, "name": name, "base": base} == sc[name]
     assert sc["small-1024"]["batch_size"] == 1024 and sc["warm-bytes"]["compute"] == 0.02
     assert sc["limited-bytes"]["phases"] == ["measured"] * 3 and sc["raw-bytes"]["dataset"] == "bytes"
+    assert sc["raw-shards"]["dataset"] == "shards" and sc["raw-shards"]["phases"] == ["fill", "measured"]
     assert sc["images"]["phases"] == ["fill", "measured"] and sc["images"]["compute"] == 0.0
     assert sc["images"]["batch_size"] == 64 and sc["images"]["dataset"] == "images"
     assert a.images_size == 200_000_000 and a.image_bytes == 100_000

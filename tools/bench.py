@@ -1,7 +1,7 @@
 """datacache against its peers on one emulated WAN link: ``python tools/bench.py --out DIR``.
 
     python tools/bench.py [--quick] [--scenario cold,warm,limited,ranks,small,raw,throttle,nodes,shuffle,mix,peers,
-                                     small-1024,raw-bytes,warm-bytes,limited-bytes,images]
+                                     small-1024,raw-bytes,warm-bytes,limited-bytes,raw-shards,images]
                           [--systems datacache,streaming,litdata,fsspec]
                           [--variants default,tuned,matched,dropin,torch,window,placement,never,mds]
                           [--reps 3] [--storm 30] [--profile SCENARIO] [--readme README.md] --out DIR
@@ -43,8 +43,9 @@ SSD tier under DIR). Scenarios (defaults; ``--quick``: 160 MB and 20 MB datasets
   1.5 x), a cold epoch then a warm one, through each system's mixing API: samples per stream
   against expected, remote bytes against the drawn samples' bytes (``tools/bench_mix.py``; its own
   table in the report).
-- small-1024, raw-bytes, warm-bytes, limited-bytes: derived from small, raw, warm, limited (batch 1024; the
-  same 64 KiB samples as a ``bytes`` field), run beside them for issue 40's ratios; images: JPEGs made
+- small-1024, raw-bytes, warm-bytes, limited-bytes, raw-shards: derived from small, raw, warm, limited, raw
+  (batch 1024; the same 64 KiB samples as a ``bytes`` field; in shards a sixteenth as large), run beside them
+  for issue 40's ratios; images: JPEGs made
   at bench time, decoded and randomly cropped in the workers, batch 64 (``tools/bench_derived.py``,
   ``tools/bench_images.py``).
 - peers: ``--nodes`` (4) simulated nodes as in nodes, ``placement="global"``, a RAM tier of 0.3 D
@@ -320,7 +321,8 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
                                 "aws_secret_access_key": opts["secret"], "region_name": "us-east-1"},
             "cache_dir": cache_dir, "ssd_dir": cache_dir.replace("/dev/shm", a.tmp, 1) + "-ssd",
             "meter_url": ctx["meter"].url,
-            "samples_per_shard": max(1, a.shard_bytes // info["sample_bytes"]), "sample_bytes": info["sample_bytes"],
+            "samples_per_shard": max(1, info.get("shard_bytes", a.shard_bytes) // info["sample_bytes"]),
+            "sample_bytes": info["sample_bytes"],
             "n": info["n"], "shards": ctx["datasets"][f"datacache/{sc['dataset']}"].get("files", 1),
             "max_epoch_bytes": 8 * D,
             "env": {"S3_ENDPOINT_URL": link.endpoint_url, "AWS_ACCESS_KEY_ID": opts["key"],
@@ -360,8 +362,8 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     if "records" not in res:
         return [{**base, **({"unavailable": res["unavailable"]} if "unavailable" in res else {"error": res["error"]})}]
     common = {"D": D, "C": sc["cache_bytes"], "n": info["n"], "sample_bytes": info["sample_bytes"],
-              "shard_bytes": a.shard_bytes, "batch_size": sc["batch_size"], "workers": sc["workers"],
-              "persistent_workers": sc["persistent_workers"],
+              "shard_bytes": info.get("shard_bytes", a.shard_bytes), "batch_size": sc["batch_size"],
+              "workers": sc["workers"], "persistent_workers": sc["persistent_workers"],
               "ranks": sc["ranks"], "bandwidth": a.bandwidth, "latency": a.latency, "memcpy_rate": ctx["memcpy_rate"],
               "run_remote_bytes": run_bytes, "run_seconds": time.time() - t0}
     if sc.get("storm"):

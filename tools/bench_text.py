@@ -53,6 +53,8 @@ NOTES = {
                  "system's own writer); batches hold them as `default_collate` gives them (a list of `bytes`).",
     "warm-bytes": "warm's terms over the `bytes` dataset of raw-bytes.",
     "limited-bytes": "limited's terms and exceptions over the `bytes` dataset of raw-bytes.",
+    "raw-shards": "raw's terms over the same 64 KiB arrays in shards (Streaming's shards, LitData's chunks) a "
+                  "sixteenth of the run's shard size, written by each system's own writer.",
     "images": "JPEGs made at bench time with Pillow (ImageNet-like sizes and content, about 100 KB each), written by "
               "each system's own writer as a `bytes` field; batch 64 for every system, no compute; each sample "
               "decoded and randomly cropped to 224 x 224 (RandomResizedCrop) in the workers by the same transform "

@@ -27,6 +27,7 @@ from tools.bench_launch import launch
 # less than 1/8 since min_saving).
 FORMAT_TAGS = {"datacache": "datacache-rawblocks-8"}
 KINDS = {"bytes": "bytes", "images": "jpeg"}  # dataset -> its samples' kind (default: "array")
+SHARD_DIVISOR = {"shards": 16}  # dataset -> its shards' size as a fraction of --shard-bytes (default: 1)
 
 
 # ---------------------------------------------------------------- samples (the same for every system)
@@ -94,8 +95,9 @@ def ensure_datasets(a: argparse.Namespace, server: Any, systems: list[str], data
                 out[key] = bench_mix.dataset(n, lambda k, first, m, fmt=fmt, base=base, sb=sb, ds=ds: _dataset(
                     a, fs, opts, fmt, f"{base}-mix{k}-{first}+{m}x{sb}-{a.shard_bytes}", m, sb, f"{ds}{k}", first))
             else:
-                tag = f"-{ds}" if ds in KINDS else ""
-                out[key] = _dataset(a, fs, opts, fmt, f"{base}{tag}-{n}x{sb}-{a.shard_bytes}", n, sb, ds)
+                tag = f"-{ds}" if ds in KINDS or ds in SHARD_DIVISOR else ""
+                shard = a.shard_bytes // SHARD_DIVISOR.get(ds, 1)
+                out[key] = _dataset(a, fs, opts, fmt, f"{base}{tag}-{n}x{sb}-{shard}", n, sb, ds, shard_bytes=shard)
             out[f"{system}/{ds}"] = out[key]
             if ds == "mix" and system in bench_mix.UNAVAILABLE:
                 out[f"{system}/{ds}"] = {"unavailable": bench_mix.UNAVAILABLE[system]}
@@ -103,19 +105,22 @@ def ensure_datasets(a: argparse.Namespace, server: Any, systems: list[str], data
 
 
 def _dataset(a: argparse.Namespace, fs: Any, opts: dict[str, Any], fmt: str, prefix: str, n: int, sb: int,
-             label: str, first: int = 0) -> dict[str, Any]:
-    """The info of ``n`` samples (ids from ``first``) of ``sb`` B in format ``fmt`` at ``s3://prefix/``,
-    written there unless its bench-meta.json says it already is."""
+             label: str, first: int = 0, *, shard_bytes: int | None = None) -> dict[str, Any]:
+    """The info of ``n`` samples (ids from ``first``) of ``sb`` B in format ``fmt`` at ``s3://prefix/``
+    in shards of ``shard_bytes`` (default ``--shard-bytes``), written there unless its
+    bench-meta.json says it already is."""
+    shard_bytes = shard_bytes or a.shard_bytes
     meta_path = f"{prefix}/bench-meta.json"
     if fs.exists(meta_path):
         return json.loads(fs.cat_file(meta_path))
     print(f"writing {n} samples of {sb} B as {fmt} to s3://{prefix}/ ...", flush=True)
-    spec = {"system": fmt, "n": n, "first": first, "sample_bytes": sb, "shard_bytes": a.shard_bytes,
+    spec = {"system": fmt, "n": n, "first": first, "sample_bytes": sb, "shard_bytes": shard_bytes,
             "kind": KINDS.get(label, "array"),
             "url": f"s3://{prefix}/", "storage_options": opts, "tmp": a.tmp}
     info = launch("write", spec, os.path.join(a.tmp, f"write-{fmt}-{label}"), timeout=1800)
     if "bytes" in info:
-        info = {"n": n, "sample_bytes": sb, "url": f"s3://{prefix}/", **info}  # a JPEG writer's mean size wins
+        info = {"n": n, "sample_bytes": sb, "shard_bytes": shard_bytes, "url": f"s3://{prefix}/",
+                **info}  # a JPEG writer's mean size wins
         fs.pipe_file(meta_path, json.dumps(info).encode())
     return info
 
