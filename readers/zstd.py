@@ -37,7 +37,7 @@ import mmap
 import os
 import threading
 from array import array
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import numpy as np
 import zstandard
@@ -454,7 +454,7 @@ class ZstdShardReader(_BaseReader):
         whole = self._whole
         return whole if isinstance(whole, Columns) and self._cow.clean() else None
 
-    def _make_whole(self, n: int) -> Columns | bool | None:
+    def _make_whole(self, n: int) -> Columns | Literal[False] | None:
         """The whole-shard table, False where none can be made (a block not raw, or a row the
         table cannot hold), None where not now: a view handed out and alive wrote one of its pages,
         before or during the parse (``CowMap.unwritten``). Views alive that wrote nothing do not

@@ -307,6 +307,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
         return [{**base, "unavailable": bench_nodes.unavailable(system)}]
     sc = bench_peers.placement_variant(sc, variant, a.nodes)  # a copy
     D = info["bytes"]
+    shard_bytes = info.get("shard_bytes", a.shard_bytes)  # the dataset's own (raw-shards: smaller)
     dc_D = ctx["datasets"][f"datacache/{sc['dataset']}"].get("bytes", D)
     if sc["base"] == "limited":
         sc["cache_bytes"] = dc_D // 2  # the same budget C for every system
@@ -321,7 +322,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
                                 "aws_secret_access_key": opts["secret"], "region_name": "us-east-1"},
             "cache_dir": cache_dir, "ssd_dir": cache_dir.replace("/dev/shm", a.tmp, 1) + "-ssd",
             "meter_url": ctx["meter"].url,
-            "samples_per_shard": max(1, info.get("shard_bytes", a.shard_bytes) // info["sample_bytes"]),
+            "samples_per_shard": max(1, shard_bytes // info["sample_bytes"]),
             "sample_bytes": info["sample_bytes"],
             "n": info["n"], "shards": ctx["datasets"][f"datacache/{sc['dataset']}"].get("files", 1),
             "max_epoch_bytes": 8 * D,
@@ -362,7 +363,7 @@ def run_one(a: argparse.Namespace, ctx: dict[str, Any], system: str, variant: st
     if "records" not in res:
         return [{**base, **({"unavailable": res["unavailable"]} if "unavailable" in res else {"error": res["error"]})}]
     common = {"D": D, "C": sc["cache_bytes"], "n": info["n"], "sample_bytes": info["sample_bytes"],
-              "shard_bytes": info.get("shard_bytes", a.shard_bytes), "batch_size": sc["batch_size"],
+              "shard_bytes": shard_bytes, "batch_size": sc["batch_size"],
               "workers": sc["workers"], "persistent_workers": sc["persistent_workers"],
               "ranks": sc["ranks"], "bandwidth": a.bandwidth, "latency": a.latency, "memcpy_rate": ctx["memcpy_rate"],
               "run_remote_bytes": run_bytes, "run_seconds": time.time() - t0}

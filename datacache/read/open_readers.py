@@ -48,7 +48,7 @@ class OpenShards:
         has none (``ShardReader.prepare_tables``), in the caller's thread. ``fd``: a descriptor
         of the file ``path`` names, held open by the caller for as long as the reader is out (a
         cache entry's pin): the file's identity is taken from it, without a lookup of ``path``."""
-        identity = _identity(path) if fd is None else _identity_of(fd)
+        identity = _identity(path if fd is None else fd)
         key = (fmt.name, path, _options_key(options))
         with self._lock:
             entry = self._idle.pop(key, None)
@@ -58,11 +58,7 @@ class OpenShards:
         if entry is not None:
             if entry[1] == identity:
                 if tables:
-                    try:
-                        entry[0].prepare_tables()
-                    except BaseException:  # a reader neither handed out nor kept is closed, not left mapped
-                        entry[0].close()
-                        raise
+                    _prepare(entry[0])
                 return entry[0]
             entry[0].close()
         reader = fmt.open(path, **options)
@@ -82,11 +78,7 @@ class OpenShards:
             with self._lock:
                 room = len(self._idle) - (key in self._idle) < self.max_open
             if room:
-                try:
-                    reader.prepare_tables()
-                except BaseException:  # a reader neither kept nor handed back is closed, not left mapped
-                    reader.close()
-                    raise
+                _prepare(reader)
         with self._lock:
             old = self._idle.pop(key, None)
             self._idle[key] = (reader, reader._datacache_identity)
@@ -150,17 +142,20 @@ def _options_key(options: dict[str, Any]) -> str:
     return repr(sorted(options.items())) if options else ""
 
 
-def _identity(path: str) -> tuple[int, int, int]:
+def _prepare(reader: Any) -> None:
+    """``reader.prepare_tables()``; a reader that fails it is closed (neither handed out nor kept,
+    it would stay mapped) and the error raised."""
+    try:
+        reader.prepare_tables()
+    except BaseException:
+        reader.close()
+        raise
+
+
+def _identity(path: str | int) -> tuple[int, int, int]:
+    """(inode, size, mtime) of the file at ``path``, or open as descriptor ``path``; -1s if gone."""
     try:
         st = os.stat(path)
-    except OSError:
-        return (-1, -1, -1)
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _identity_of(fd: int) -> tuple[int, int, int]:
-    try:
-        st = os.fstat(fd)
     except OSError:
         return (-1, -1, -1)
     return (st.st_ino, st.st_size, st.st_mtime_ns)
