@@ -104,7 +104,7 @@ def test_values_in_a_mapped_file_are_copied_from_this_process_s_own_mapping(tmp_
         want = [data[o:o + n] for o, n in zip(offsets.tolist(), sizes.tolist())]
         mapped = crossread.values_mapped()
         out: list = [None] * 5
-        files.copy(child.pid, where[:, 1:].tolist(), sizes.tolist(), out)
+        files.copy(child.pid, where[:, 1:], sizes.tolist(), out)
         assert out == want and all(type(v) is bytes for v in out)
         assert crossread.values_mapped() == mapped + 5 and files.misses == 1
         assert crossread.read_values(child.pid, where, sizes) == want  # the module's own files, the same way
@@ -114,7 +114,7 @@ def test_values_in_a_mapped_file_are_copied_from_this_process_s_own_mapping(tmp_
         assert child.stdout.readline().strip() == "swapped"  # type: ignore[union-attr]
         fresh = crossread._Files()
         out = [None] * 5
-        fresh.copy(child.pid, where[:, 1:].tolist(), sizes.tolist(), out)
+        fresh.copy(child.pid, where[:, 1:], sizes.tolist(), out)
         assert out == [None] * 5 and not fresh._maps, "another file behind the descriptor: not used"
         assert crossread.read_values(child.pid, where, sizes) == want  # this inode, mapped before the swap
 
@@ -122,7 +122,7 @@ def test_values_in_a_mapped_file_are_copied_from_this_process_s_own_mapping(tmp_
         child.stdin.flush()  # type: ignore[union-attr]
         assert child.stdout.readline().strip() == "swapped"  # type: ignore[union-attr]
         out = [None] * 5
-        crossread._Files().copy(child.pid, where[:, 1:].tolist(), sizes.tolist(), out)  # opening it would block
+        crossread._Files().copy(child.pid, where[:, 1:], sizes.tolist(), out)  # opening it would block
         assert out == [None] * 5, "a FIFO behind the descriptor: not opened"
 
         assert (dev, ino) in files._maps

@@ -143,10 +143,11 @@ def read_values(pid: int, where: np.ndarray, lengths: np.ndarray) -> list[bytes]
     the others are read from ``pid`` with ``process_vm_readv``."""
     sizes = lengths.tolist()
     out: list[bytes | None] = [None] * len(sizes)
-    if len(sizes) and where.shape[1] == WHERE and FILES.on and (where[:, 1] >= 0).any():
-        FILES.copy(pid, where[:, 1:].tolist(), sizes, out)
-    rest = [i for i, v in enumerate(out) if v is None]
-    if rest:
+    done = 0
+    if len(sizes) and where.shape[1] == WHERE and FILES.on:
+        done = FILES.copy(pid, where[:, 1:], sizes, out)
+    if done < len(out):
+        rest = [i for i, v in enumerate(out) if v is None]
         got = _read_from(pid, where[rest, 0], lengths[rest])
         for i, v in zip(rest, got):
             out[i] = v
@@ -195,38 +196,42 @@ class _Files:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._maps: OrderedDict[tuple[int, int], tuple[int, memoryview]] = OrderedDict()
+        self._maps: OrderedDict[tuple[int, int], tuple[int, tuple[mmap.mmap, int]]] = OrderedDict()
         self._checked = time.monotonic()
         self.hits = self.misses = self.evicted = 0
         self.on = os.environ.get(_ENV, "1").strip() != "0"
         self.capacity = _capacity()
 
-    def copy(self, pid: int, files: list[list[int]], sizes: list[int], out: list[bytes | None]) -> None:
-        """``out[i]`` <- value ``i`` from its file (``files[i]``: fd, dev, ino, offset), where
-        this process maps that file; left None otherwise."""
-        views: dict[tuple[int, int, int], memoryview | None] = {}
-        for i, (fd, dev, ino, offset) in enumerate(files):
-            if fd < 0:
-                continue
-            key = (fd, dev, ino)
-            view = views[key] if key in views else views.setdefault(key, self.view(pid, fd, dev, ino))
-            n = sizes[i]
-            if view is not None and 0 <= offset and offset + n <= len(view):
-                out[i] = bytes(view[offset:offset + n])
-        global _values_mapped
-        done = sum(v is not None for v in out)
-        with _count_lock:
-            _values_mapped += done
-
-    def view(self, pid: int, fd: int, dev: int, ino: int) -> memoryview | None:
-        """This process's mapping of the file (``st_dev``, ``st_ino``) open as ``fd`` in ``pid``,
-        or None (not that file any more, not mappable, or the path is off)."""
+    def copy(self, pid: int, files: np.ndarray, sizes: list[int], out: list[bytes | None]) -> int:
+        """``out[i]`` <- value ``i`` from its file (row ``files[i]``: fd, dev, ino, offset; fd -1:
+        none), where this process maps that file; left None otherwise. Returns how many were
+        copied. Each distinct file of the call is looked up once."""
         if time.monotonic() - self._checked > _CHECK_S:
             self.prune()
+        fds, devs, inos, offsets = files.T.tolist()
+        maps: dict[tuple[int, int], tuple[mmap.mmap, int] | None] = {}
+        done = 0
+        for i, (fd, dev, ino, offset, n) in enumerate(zip(fds, devs, inos, offsets, sizes)):
+            if fd < 0:
+                continue
+            key = (dev, ino)
+            got = maps[key] if key in maps else maps.setdefault(key, self.view(pid, fd, dev, ino))
+            if got is not None and 0 <= offset and offset + n <= got[1]:
+                out[i] = got[0][offset:offset + n]  # a slice of an mmap is a new bytes: one copy
+                done += 1
+        global _values_mapped
+        with _count_lock:
+            _values_mapped += done
+        return done
+
+    def view(self, pid: int, fd: int, dev: int, ino: int) -> tuple[mmap.mmap, int] | None:
+        """This process's mapping of the file (``st_dev``, ``st_ino``) open as ``fd`` in ``pid``,
+        and its size; or None (not that file any more, not mappable, or the path is off)."""
+        key = (dev, ino)
         with self._lock:
-            got = self._maps.get((dev, ino))
+            got = self._maps.get(key)
             if got is not None:
-                self._maps.move_to_end((dev, ino))
+                self._maps.move_to_end(key)
                 self.hits += 1
                 return got[1]
             self.misses += 1
@@ -235,9 +240,9 @@ class _Files:
             return None
         dropped: list[int] = []
         with self._lock:
-            known = self._maps.get((dev, ino))
+            known = self._maps.get(key)
             if known is None:
-                self._maps[(dev, ino)] = opened
+                self._maps[key] = opened
                 while len(self._maps) > self.capacity:
                     dropped.append(self._maps.popitem(last=False)[1][0])
                 self.evicted += len(dropped)
@@ -295,8 +300,8 @@ def _capacity() -> int:
     return max(8, min(_MAX_FILES, (soft if soft > 0 else 1024) // 16))
 
 
-def _open_mapped(pid: int, fd: int, dev: int, ino: int) -> tuple[int, memoryview] | None:
-    """(descriptor, read-only mapping) of the file open as ``fd`` in ``pid``, if it is (dev, ino).
+def _open_mapped(pid: int, fd: int, dev: int, ino: int) -> tuple[int, tuple[mmap.mmap, int]] | None:
+    """(descriptor, (read-only mapping, its size)) of the file open as ``fd`` in ``pid``, if it is (dev, ino).
     A descriptor reused since for a pipe or a device is never opened (stat first; and opened
     non-blocking, as a pipe's open would wait for a writer)."""
     link = f"/proc/{pid}/fd/{fd}"
@@ -312,7 +317,7 @@ def _open_mapped(pid: int, fd: int, dev: int, ino: int) -> tuple[int, memoryview
         if (st.st_dev, st.st_ino) != (dev, ino) or st.st_size == 0:
             os.close(own)
             return None
-        return own, memoryview(mmap.mmap(own, st.st_size, prot=mmap.PROT_READ))
+        return own, (mmap.mmap(own, st.st_size, prot=mmap.PROT_READ), st.st_size)
     except (OSError, ValueError):
         os.close(own)
         return None
