@@ -393,6 +393,24 @@ def test_lru_demotes_ram_victims_and_promotes_ssd_hits(dirs):
     assert fetch_counts(dirs) == Counter({f"k{i}": 1 for i in range(5)})
 
 
+def test_contains_all_and_index_reads_hand_out_entries_of_their_own(dirs):
+    """``contains_all`` answers for a set of keys in one read; the index's decoded entries (kept by
+    their bytes) are each caller's own: a change to one is neither in the index nor in the next read."""
+    size = 4 * KB
+    with open_cache(dirs, 3 * size, 0, LRUPolicy()) as cache:
+        _fill(cache, ["a", "b"], dirs["log"], size)
+        assert cache.contains_all(["a", "b"]) and cache.contains_all([])
+        assert not cache.contains_all(["a", "nope"])
+        first = cache.index.get("a")
+        assert first is not None and "ram" in first.tiers
+        first.tiers.clear()
+        first.tiers["ssd"] = {"file": "x"}
+        again, other = cache.index.get_many(["a", "b"])
+        assert again is not None and other is not None and "ram" in again.tiers and "ssd" not in again.tiers
+        assert again.tiers["ram"] is not cache.index.get("a").tiers["ram"]
+        assert cache.contains("a") == "ram" and cache.index.get("nope") is None
+
+
 class _NoPromotion(LRUPolicy):
     def should_promote(self, key):
         return False

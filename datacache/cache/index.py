@@ -18,7 +18,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,18 +53,27 @@ _gate = threading.Condition()
 _in_flight = 0
 
 
-@contextmanager
-def _txn_gate() -> Iterator[None]:
+def _enter_gate() -> None:
     global _in_flight
     with _gate:
         _in_flight += 1
+
+
+def _leave_gate() -> None:
+    global _in_flight
+    with _gate:
+        _in_flight -= 1
+        if not _in_flight:
+            _gate.notify_all()
+
+
+@contextmanager
+def _txn_gate() -> Iterator[None]:
+    _enter_gate()
     try:
         yield
     finally:
-        with _gate:
-            _in_flight -= 1
-            if not _in_flight:
-                _gate.notify_all()
+        _leave_gate()
 
 
 def _before_fork() -> None:
@@ -131,8 +140,22 @@ class Entry:
 
     @classmethod
     def loads(cls, raw: bytes) -> "Entry":
-        size, digest, atime, tiers = json.loads(raw)
-        return cls(size, digest, atime, tiers)
+        """The entry ``raw`` encodes (``dumps``): a new object each call, which the caller may change."""
+        parsed = _parsed.get(raw)
+        if parsed is None:
+            if len(_parsed) >= _PARSED_MAX:
+                _parsed.clear()
+            parsed = _parsed[raw] = json.loads(raw)
+        size, digest, atime, tiers = parsed
+        return cls(size, digest, atime, {name: dict(rec) for name, rec in tiers.items()})
+
+
+# Entries decoded lately, by their bytes: a warm epoch reads each shard's entry once per run, and an
+# entry's bytes change only when it does (its atime is written at most every ``TOUCH_EVERY``).
+# Read-only once stored (``loads`` copies what it hands out); cleared when full. Thread-safe (one
+# dict operation at a time).
+_parsed: dict[bytes, Any] = {}
+_PARSED_MAX = 1 << 14
 
 
 class Index:
@@ -166,15 +189,36 @@ class Index:
         try:
             yield
         except lmdb.Error as exc:
-            raise CacheError(f"the cache index could not be {what}: {exc}", url=self.path,
-                             hint="Its file system is full or failing: free space there, or give the cache "
-                                  "other directories (ssd_dir / ram_dir, DATACACHE_SSD_DIR / DATACACHE_RAM_DIR)"
-                             ) from exc
+            raise self._error(what, exc) from exc
+
+    def _error(self, what: str, exc: lmdb.Error) -> CacheError:
+        return CacheError(f"the cache index could not be {what}: {exc}", url=self.path,
+                          hint="Its file system is full or failing: free space there, or give the cache "
+                               "other directories (ssd_dir / ram_dir, DATACACHE_SSD_DIR / DATACACHE_RAM_DIR)")
 
     @contextmanager
     def read(self) -> Iterator["Txn"]:
         with self._translated("read"), _txn_gate(), self.env.begin(write=False, buffers=False) as txn:
             yield Txn(txn, self._dbs)
+
+    def get(self, key: str) -> Entry | None:
+        """``key``'s entry, or None: ``read`` and ``Txn.get`` in one call (a cache lookup's, made
+        for every run a reader reads, without the context managers' cost)."""
+        return self.get_many((key,))[0]
+
+    def get_many(self, keys: Iterable[str]) -> list[Entry | None]:
+        """Each of ``keys``' entries (None where absent), in one read transaction."""
+        env = self.env
+        _enter_gate()
+        try:
+            with env.begin(write=False, buffers=False) as txn:
+                db = self._dbs["entries"]
+                raws = [txn.get(key.encode(), db=db) for key in keys]
+        except lmdb.Error as exc:
+            raise self._error("read", exc) from exc
+        finally:
+            _leave_gate()
+        return [None if raw is None else Entry.loads(raw) for raw in raws]
 
     @contextmanager
     def write(self) -> Iterator["Txn"]:

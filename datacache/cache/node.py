@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._localfs import (
@@ -151,9 +151,11 @@ class NodeCache:
 
     def contains(self, key: str) -> str | None:
         """The fastest tier holding ``key`` ("ram"/"ssd"), or None. No pin is taken."""
-        with self.index.read() as txn:
-            e = txn.get(key)
-        return None if e is None else next((t for t in ("ram", "ssd") if t in e.tiers), None)
+        return _fastest(self.index.get(key))
+
+    def contains_all(self, keys: Iterable[str]) -> bool:
+        """Whether every one of ``keys`` is held now (one index read; no pin is taken)."""
+        return all(_fastest(e) is not None for e in self.index.get_many(keys))
 
     def peek(self, key: str, digest: str | None = None) -> CacheHandle | None:
         """A pinned handle on ``key``'s cached bytes (RAM first, verified as ``get`` verifies them), or
@@ -164,8 +166,7 @@ class NodeCache:
 
     def _lookup(self, key: str, locked: bool = False, promote: bool = True, touch: bool = True,
                 digest: str | None = None) -> CacheHandle | None:
-        with self.index.read() as txn:
-            entry = txn.get(key)
+        entry = self.index.get(key)
         if entry is None or (digest is not None and entry.hash != digest):
             return None
         for name in ("ram", "ssd"):
@@ -543,3 +544,8 @@ def _size(entry: Any) -> int:
         return int(entry.stat(follow_symlinks=False).st_size)
     except FileNotFoundError:
         return 0
+
+
+def _fastest(entry: Entry | None) -> str | None:
+    """The fastest tier ``entry`` is held in ("ram"/"ssd"), or None."""
+    return None if entry is None else next((t for t in ("ram", "ssd") if t in entry.tiers), None)

@@ -297,7 +297,7 @@ class StreamingDataset(tud.IterableDataset):
 
         def share_cached(budget: int) -> bool:  # every shard of the node's share, mixed so, cached now
             share = mixed_share(self.counts, replace(spec, mix_bytes=budget, mix_from=0))
-            return share is not None and all(self.cache.contains(self.manifest.cache_key(int(s))) for s in share)
+            return share is not None and self.cache.contains_all(self.manifest.cache_key(int(s)) for s in share)
 
         fields = mix_fields(
             self.node_shuffle, self.shuffle_chunk, self.cache, consumers, epoch=spec.epoch,
@@ -459,7 +459,7 @@ class StreamingDataset(tud.IterableDataset):
 
         def open_cached(plan: ConsumerPlan) -> Consumer | None:  # no fetch, no eviction ahead of the epoch
             shards = {run[0] for run in plan.runs}
-            if not all(self.cache.contains(self.manifest.cache_key(int(s))) for s in shards):
+            if not self.cache.contains_all(self.manifest.cache_key(int(s)) for s in shards):
                 return None
             return self._open(nxt, plan, None, 0)
         return NextEpoch(self.counts, nxt, open_cached)
