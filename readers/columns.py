@@ -43,7 +43,7 @@ import numpy as np
 
 from .codec import Sample, Schema, decode_field
 
-__all__ = ["Column", "Columns", "RowLayouts", "parse_rows", "address_view", "address_of"]
+__all__ = ["Column", "Columns", "RowLayouts", "parse_rows", "address_view", "address_of", "is_sorted"]
 
 
 class _Span:
@@ -103,7 +103,8 @@ class Columns:
 
     def take(self, rows: np.ndarray) -> Columns:
         """Rows ``rows`` of this table (a new table over the same buffers)."""
-        return Columns(len(rows), {name: Column(c.kind, c.addr[rows], c.size[rows], c.dtype, c.shape[rows])
+        return Columns(len(rows), {name: Column(c.kind, c.addr.take(rows), c.size.take(rows), c.dtype,
+                                                c.shape.take(rows, axis=0))
                                    for name, c in self.fields.items()}, self.keep)
 
     @staticmethod
@@ -127,6 +128,11 @@ class Columns:
                 return None
             fields[name] = Columns.concat(cols)
         return Columns(sum(p.n for p in parts), fields, [k for p in parts for k in p.keep])
+
+
+def is_sorted(a: np.ndarray) -> bool:
+    """Whether the 1-d array ``a`` never decreases."""
+    return len(a) < 2 or not (a[1:] < a[:-1]).any()
 
 
 _MAX_DIM = 1 << 40  # a larger declared dimension is left to the per-sample decode (exact integers)

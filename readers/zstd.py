@@ -52,7 +52,7 @@ from .base import ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
 from .codec import Sample, Schema, decode_sample, decode_uniform, encode_sample, owned
-from .columns import Columns, RowLayouts, address_of, parse_rows
+from .columns import Columns, RowLayouts, address_of, is_sorted, parse_rows
 from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
 __all__ = ["ZstdShardReader", "ZstdShardWriter", "BlockCache", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
@@ -409,7 +409,7 @@ class ZstdShardReader(_BaseReader):
         if not 0 <= lo <= hi <= n:
             raise IndexError(f"{self.path}: range [{lo}, {hi}) outside [0, {n}]")
         idx = np.arange(lo, hi, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
-        if len(idx) and (idx[0] < lo or idx[-1] >= hi or (len(idx) > 1 and (np.diff(idx) < 0).any())):
+        if len(idx) and (int(idx[0]) < lo or int(idx[-1]) >= hi or not is_sorted(idx)):
             raise IndexError(f"{self.path}: rows not sorted within [{lo}, {hi})")
         self._ensure_open()
         assert self._cow is not None and self._mmap is not None

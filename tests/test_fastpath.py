@@ -206,6 +206,10 @@ def test_a_reader_handed_out_again_for_tables_makes_its_whole_table_first(tmp_pa
     for k, i in enumerate(rows.tolist()):
         got = table.sample(k)
         assert np.array_equal(got["image"], samples[i]["image"]) and got["id"] == i, f"row {i}"
+    for bad in ([3, 0], [0, 40], [-1, 2], [5, 5, 4]):  # unsorted, or outside [lo, hi): refused, not misread
+        with pytest.raises(IndexError):
+            r.columns(0, 40, np.array(bad))
+    assert r.columns(0, 40, np.array([7, 7])).n == 2 and r.columns(0, 40, np.array([], np.int64)).n == 0
     shards.checkin(fmt, path, r, {})
     shards.close()
     plain = OpenShards(sweep_every=0)

@@ -57,6 +57,7 @@ from ..config import PrefetchConfig
 from ..errors import IntegrityError, NotFoundError, ReaderError
 from ..plan.epoch import ConsumerPlan
 from ..plan.ragged import Ragged
+from ..readers.columns import is_sorted
 from ..readers.zstd import BlockCache
 from .headstart import Lead, LeadItem
 from .lifecycle import parent_gone
@@ -292,7 +293,7 @@ class Consumer:
         """Columnar mode's read of a run: its table, or where the format or the rows allow none,
         its samples in table order (a list); None if the shard is skipped."""
         try:
-            table = None if rows is not None and (np.diff(rows) < 0).any() else \
+            table = None if rows is not None and not is_sorted(rows) else \
                 self.source.read_columns(shard, handle, lo, hi, rows, self._blocks)
         except (ReaderError, IntegrityError) as err:
             if self.on_error != "skip":
