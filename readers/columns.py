@@ -20,7 +20,9 @@ raises the precise error where there is one.
 Rows of one encoded length whose structure bytes (each field's size, an array's header) are the
 first row's have the first row's layout (it is a function of those bytes alone): ``parse_rows``
 then parses and validates the first row and compares those few bytes of the others, the common
-case of fixed-size samples.
+case of fixed-size samples. The first row's parse is itself skipped where a row of the same schema
+and length with the same structure bytes was parsed before in this process (another shard of the
+dataset): its layout is the same.
 
 :class:`RowLayouts` keeps what ``parse_rows`` found for each row of a shard (where each field's value
 lies from the row's start, its size and shape), so that a reader parses and validates a row once
@@ -192,25 +194,77 @@ def _alike(span: np.ndarray, base: int, start: np.ndarray, length: int, schema: 
     """``parse_rows`` of rows of one ``length`` whose structure bytes (each field's size, an array's
     dtype text, number of dimensions and shape) are those of the first row, or None where they are
     not. A row's layout is a function of those bytes alone, so the first row, parsed and validated
-    as every row is, stands for all: one comparison of a few bytes per row instead of the parse."""
-    first = parse_rows(span, base, start[:1], np.array([length]), schema)
-    if first is None:
-        return None
-    rel = 0
-    for name in schema:  # each field's structure bytes, from the row's start: its size (and an array's header)
-        c = first.fields[name]
-        value = int(c.addr[0]) - base - int(start[0])
-        if value > rel:
-            items = np.ndarray((len(span) - (value - rel) + 1,), dtype=np.dtype((np.void, value - rel)),
-                               buffer=span, strides=(1,))
-            got = items[start + rel].view(np.uint8).reshape(len(start), value - rel)
-            if (got != got[0]).any():
-                return None
-        rel = value + int(c.size[0])
+    as every row is, stands for all: one comparison of a few bytes per row instead of the parse.
+    The first row's own parse is skipped where its structure bytes are those of a row parsed
+    before with the same schema and length (``_LAYOUTS``: every shard of a dataset of fixed-size
+    samples has one layout)."""
+    s0 = int(start[0])
+    layout = _known_layout(span, s0, length, schema)
+    if layout is None:
+        first = parse_rows(span, base, start[:1], np.array([length]), schema)
+        if first is None:
+            return None
+        layout = _Layout.of(first, span, base, s0, length, schema)
+    for lo, hi in layout.structure:  # each field's structure bytes, from the row's start
+        items = np.ndarray((len(span) - (hi - lo) + 1,), dtype=np.dtype((np.void, hi - lo)), buffer=span,
+                           strides=(1,))
+        got = items[start + lo].view(np.uint8).reshape(len(start), hi - lo)
+        if (got != got[0]).any():
+            return None
     n = len(start)
-    return Columns(n, {name: Column(c.kind, base + start + (int(c.addr[0]) - base - int(start[0])),
-                                    np.full(n, int(c.size[0]), np.int64), c.dtype, np.repeat(c.shape, n, axis=0))
-                       for name, c in first.fields.items()}, [])
+    return Columns(n, {name: Column(kind, base + start + value, np.full(n, size, np.int64), dtype,
+                                    np.repeat(shape, n, axis=0))
+                       for name, (kind, value, size, dtype, shape) in layout.fields.items()}, [])
+
+
+class _Layout(NamedTuple):
+    """A parsed row's layout, for rows of its schema and length with its structure bytes: per field
+    (kind, value start from the row's start, size, dtype, shape (1, ndim)); the structure bytes'
+    ranges from the row's start, and their bytes in the parsed row."""
+
+    fields: dict[str, tuple[str, int, int, str, np.ndarray]]
+    structure: tuple[tuple[int, int], ...]
+    expected: bytes
+
+    @staticmethod
+    def of(first: Columns, span: np.ndarray, base: int, s0: int, length: int, schema: Schema) -> _Layout:
+        """The layout of ``first`` (row 0 parsed by ``parse_rows``, at ``s0`` in ``span``), kept in
+        ``_LAYOUTS``."""
+        fields, structure, rel = {}, [], 0
+        for name in schema:
+            c = first.fields[name]
+            value = int(c.addr[0]) - base - s0
+            if value > rel:
+                structure.append((rel, value))
+            fields[name] = (c.kind, value, int(c.size[0]), c.dtype, c.shape[:1].copy())
+            rel = value + int(c.size[0])
+        layout = _Layout(fields, tuple(structure), _structure_bytes(span, s0, structure))
+        known = _LAYOUTS.setdefault((tuple(schema.items()), length), [])
+        if len(known) < _LAYOUTS_PER_KEY:
+            known.append(layout)
+        if len(_LAYOUTS) > _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        return layout
+
+
+# Layouts of rows parsed before, by (schema, row length): read-only once stored (a list only grows,
+# to a few per key; the dict is cleared when large). Thread-safe (a reader's table is built in one
+# thread; concurrent appends at worst keep one layout twice).
+_LAYOUTS: dict[tuple[tuple[tuple[str, str], ...], int], list[_Layout]] = {}
+_LAYOUTS_PER_KEY = 8
+_LAYOUTS_MAX = 1024
+
+
+def _structure_bytes(span: np.ndarray, s0: int, structure: Sequence[tuple[int, int]]) -> bytes:
+    return b"".join(span[s0 + lo:s0 + hi].tobytes() for lo, hi in structure)
+
+
+def _known_layout(span: np.ndarray, s0: int, length: int, schema: Schema) -> _Layout | None:
+    """A layout parsed before whose structure bytes the row at ``s0`` has, or None."""
+    for layout in _LAYOUTS.get((tuple(schema.items()), length), ()):
+        if _structure_bytes(span, s0, layout.structure) == layout.expected:
+            return layout
+    return None
 
 
 def _ndarray(span: np.ndarray, base: int, pos: np.ndarray, size: np.ndarray) -> Column | None:

@@ -504,3 +504,25 @@ def test_the_pool_of_open_readers_is_sized_by_the_descriptor_limit() -> None:
     for soft, want, got in zip((128, 1024, 4000, 100000), (64, 256, 1000, 4096), sizes.strip("[]").split(", ")):
         assert got == "None" or int(got) == want, f"soft limit {soft}: {got} readers, not {want}"
     assert default == "True" and explicit == "3"
+
+
+def test_tables_of_shards_alike_in_length_follow_each_row_s_own_structure_bytes(tmp_path: Any) -> None:
+    """Shards whose rows have one schema and one length share their parsed layout (a memo), but
+    only where a row's structure bytes are the same: arrays of shape (2, 512) then (4, 256), or of
+    another dtype of one size, give their own shapes and dtypes, never the layout parsed first."""
+    from datacache.readers.columns import Columns
+
+    rng = np.random.default_rng(5)
+    kinds = [((2, 512), np.uint8), ((4, 256), np.uint8), ((2, 512), np.int8), ((2, 512), np.uint8)]
+    for k, (shape, dtype) in enumerate(kinds):  # incompressible: raw blocks, which make whole tables
+        arrays = [rng.integers(0, 256, shape).astype(np.uint8).view(dtype) for _ in range(6)]
+        path = _write(tmp_path / f"s{k}.dcz", [{"a": a, "id": i} for i, a in enumerate(arrays)], block_bytes=1 << 16)
+        with rzstd.ZstdShardReader(path) as r:
+            r.prepare_tables()
+            table = r.columns(0, 6)
+            assert isinstance(table, Columns) and isinstance(r._whole, Columns)
+            col = table.fields["a"]
+            assert np.dtype(col.dtype) == np.dtype(dtype) and (col.shape == shape).all(), (k, shape, dtype)
+            for i, a in enumerate(arrays):
+                got = table.sample(i)
+                assert got["id"] == i and got["a"].dtype == a.dtype and np.array_equal(got["a"], a)
