@@ -45,7 +45,7 @@ import numpy as np
 
 from .codec import Sample, Schema, decode_field
 
-__all__ = ["Column", "Columns", "RowLayouts", "parse_rows", "address_view", "address_of", "is_sorted"]
+__all__ = ["Column", "Columns", "RowLayouts", "parse_rows", "address_view", "address_of", "is_sorted", "parse_at"]
 
 
 class _Span:
@@ -327,15 +327,15 @@ class RowLayouts:
         each, in buffers the caller keeps alive), as ``parse_rows`` gives it; the caller sets its
         ``keep``."""
         if self.parsed is None or not len(rows):
-            return _parse_at(at, length, self.schema)
+            return parse_at(at, length, self.schema)
         new = ~self.parsed[rows]
         if new.any():
-            got = _parse_at(at[new], length[new], self.schema)
+            got = parse_at(at[new], length[new], self.schema)
             if got is None:
                 return None
             if not self._add(rows[new], at[new], got):
                 self.parsed = None
-                return _parse_at(at, length, self.schema)
+                return parse_at(at, length, self.schema)
         return Columns(len(rows), {name: Column(c.kind, at + self.off[name][rows], c.size[rows], c.dtype,
                                                 c.shape[rows]) for name, c in self.fields.items()}, [])
 
@@ -361,7 +361,7 @@ class RowLayouts:
         return True
 
 
-def _parse_at(at: np.ndarray, length: np.ndarray, schema: Schema) -> Columns | None:
+def parse_at(at: np.ndarray, length: np.ndarray, schema: Schema) -> Columns | None:
     """``parse_rows`` of rows at absolute addresses ``at``."""
     first, last = int(at.min()), int((at + length).max())
     return parse_rows(address_view(first, last), first, at - first, length, schema)

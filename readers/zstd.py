@@ -52,7 +52,7 @@ from .base import ShardFormat
 from .base import ShardReader as _BaseReader
 from .base import ShardWriter as _BaseWriter
 from .codec import Sample, Schema, decode_sample, decode_uniform, encode_sample, owned
-from .columns import Columns, RowLayouts, address_of, is_sorted, parse_rows
+from .columns import Columns, RowLayouts, address_of, is_sorted, parse_at, parse_rows
 from .errors import HINT_CORRUPT, HINT_FORMAT, ReaderError
 
 __all__ = ["ZstdShardReader", "ZstdShardWriter", "BlockCache", "FORMAT", "MAGIC", "DEFAULT_BLOCK_BYTES",
@@ -468,12 +468,26 @@ class ZstdShardReader(_BaseReader):
         if not self._cow.unwritten():
             return None
         try:
-            table = self._table(np.arange(n, dtype=np.int64), None)
+            table = self._raw_rows(n)
         except ReaderError:  # a bad row: only the runs that read it fail, as without the whole table
             table = None
         if not self._cow.unwritten():
             return None
         return table if table is not None else False
+
+    def _raw_rows(self, n: int) -> Columns | None:
+        """The table of rows ``0 .. n - 1``, every block raw, at their addresses in the mapping
+        (``_whole_table`` uses it only while no live view wrote a page: ``CowMap.clean``), parsed
+        as ``_table`` parses (``readers.columns.parse_at``), with no per-block work."""
+        assert self._mmap is not None
+        whole = np.frombuffer(self._mmap, np.uint8)  # kept: the mapping stays while the table does
+        starts = (self._blocks[:, 0] & np.uint64(RAW_BLOCK - 1)).astype(np.int64) + int(whole.ctypes.data)
+        per_block = np.diff(np.append(self._first, n).astype(np.int64))
+        at = np.repeat(starts, per_block) + self._samples[:n, 0].astype(np.int64)
+        table = parse_at(at, self._samples[:n, 1].astype(np.int64), self.schema or {})
+        if table is not None:
+            table.keep = [whole]
+        return table
 
     def _table(self, idx: np.ndarray, blocks: BlockCache | None) -> Columns | None:
         """The table of rows ``idx`` (sorted, not empty), block by block (see ``columns``)."""
