@@ -189,9 +189,9 @@ def test_a_reader_handed_out_again_for_tables_makes_its_whole_table_first(tmp_pa
     samples = _samples(40)
     path = _write(tmp_path / "s.dcz", samples, block_bytes=1 << 12)
     shards = OpenShards(max_open=4, sweep_every=0)
-    r = shards.checkout(fmt, path, {}, tables=True)
+    r = shards.checkout(fmt, path, {})
     assert ((r._blocks[:, 0] & np.uint64(rzstd.RAW_BLOCK)) != 0).all(), "the fixture's blocks should be raw"
-    assert r._whole is None, "a reader opened afresh makes none: it may be read once"
+    assert r._whole is None, "a reader handed out for samples makes none"
     view = r.get(3)["image"]
     view[:] = 0  # a sample is writable; its view is still alive at the next checkout
     shards.checkin(fmt, path, r, {})
@@ -454,6 +454,27 @@ def test_batches_alive_when_the_interpreter_exits_free_their_slots_quietly(tmp_p
                          stdin=subprocess.DEVNULL)
     assert got.returncode == 0 and got.stdout.split() == ["200"], got.stderr
     assert "Exception ignored" not in got.stderr and "Traceback" not in got.stderr, got.stderr
+
+
+def test_a_reader_opened_for_tables_takes_its_first_run_from_its_whole_table(tmp_path: Any) -> None:
+    """A reader opened for a caller that reads tables, where the pool has room to keep it, makes its
+    whole-shard table as it is handed out: its first run's rows are taken from it, not parsed on
+    their own first (then the whole shard again as it is checked in)."""
+    from datacache.readers.columns import Columns
+
+    fmt = readers.get_format("zstd")
+    samples = _samples(40)
+    path = _write(tmp_path / "s.dcz", samples, block_bytes=1 << 12)
+    shards = OpenShards(max_open=4, sweep_every=0)
+    r = shards.checkout(fmt, path, {}, tables=True)
+    assert isinstance(r._whole, Columns), "made as it is handed out"
+    table = r.columns(0, 40, np.array([2, 30]))
+    assert r._layouts is None, "no rows parsed on their own"
+    for k, i in enumerate((2, 30)):
+        got = table.sample(k)
+        assert np.array_equal(got["image"], samples[i]["image"]) and got["id"] == i
+    shards.checkin(fmt, path, r, {}, tables=True)
+    shards.close()
 
 
 def test_a_reader_checked_in_makes_its_table_only_where_the_pool_keeps_it(tmp_path: Any) -> None:

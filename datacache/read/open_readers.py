@@ -44,8 +44,9 @@ class OpenShards:
                  fd: int | None = None) -> Any:
         """An open reader of ``path`` (reused if its file is unchanged); give it back with ``checkin``.
         ``tables``: the caller reads this file as tables, now or in a later epoch: a reader handed
-        out again (so one kept across reads) makes its whole-shard table first, where it can and
-        has none (``ShardReader.prepare_tables``), in the caller's thread. ``fd``: a descriptor
+        out again (so one kept across reads), or opened now where the pool has room to keep it,
+        makes its whole-shard table first, where it can and has none
+        (``ShardReader.prepare_tables``), in the caller's thread. ``fd``: a descriptor
         of the file ``path`` names, held open by the caller for as long as the reader is out (a
         cache entry's pin): the file's identity is taken from it, without a lookup of ``path``."""
         identity = _identity(path if fd is None else fd)
@@ -63,6 +64,8 @@ class OpenShards:
             entry[0].close()
         reader = fmt.open(path, **options)
         reader._datacache_identity = identity
+        if tables and self._room(key):  # made at checkin anyway: now, its first read takes rows from it
+            _prepare(reader)
         return reader
 
     def checkin(self, fmt: ShardFormat, path: str, reader: Any, options: dict[str, Any], *,
@@ -74,11 +77,8 @@ class OpenShards:
         more shards than it keeps open), the reader may be closed before its next read, and its
         table is left to that read's ``checkout``."""
         key = (fmt.name, path, _options_key(options))
-        if tables:
-            with self._lock:
-                room = len(self._idle) - (key in self._idle) < self.max_open
-            if room:
-                _prepare(reader)
+        if tables and self._room(key):
+            _prepare(reader)
         with self._lock:
             old = self._idle.pop(key, None)
             self._idle[key] = (reader, reader._datacache_identity)
@@ -92,6 +92,11 @@ class OpenShards:
             idle = self._due()
         for r in ([old[0]] if old else []) + over + self._drop_stale(idle):
             r.close()
+
+    def _room(self, key: tuple[str, str, str]) -> bool:
+        """Whether the reader of ``key`` checked in now would be kept without evicting another."""
+        with self._lock:
+            return len(self._idle) - (key in self._idle) < self.max_open
 
     def _due(self) -> list[tuple[tuple[str, str, str], tuple[int, int, int]]]:
         """The idle entries to check now: all of them, once per ``sweep_every`` (under the lock)."""
