@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .._localfs import (
@@ -156,6 +156,13 @@ class NodeCache:
     def contains_all(self, keys: Iterable[str]) -> bool:
         """Whether every one of ``keys`` is held now (one index read; no pin is taken)."""
         return all(_fastest(e) is not None for e in self.index.get_many(keys))
+
+    def ram_files(self, keys: Sequence[str]) -> list[str | None]:
+        """Per key, the path of its RAM tier file where the RAM tier holds it now, else None (one
+        index read; no pin is taken, so the file may be evicted at any time: open it, then check it)."""
+        ram = self.tiers["ram"]
+        return [None if e is None or "ram" not in e.tiers else ram.file_path(e.tiers["ram"]["file"])
+                for e in self.index.get_many(keys)]
 
     def peek(self, key: str, digest: str | None = None) -> CacheHandle | None:
         """A pinned handle on ``key``'s cached bytes (RAM first, verified as ``get`` verifies them), or

@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -198,7 +199,7 @@ class _Files:
         self._lock = threading.Lock()
         self._maps: OrderedDict[tuple[int, int], tuple[int, tuple[mmap.mmap, int]]] = OrderedDict()
         self._checked = time.monotonic()
-        self.hits = self.misses = self.evicted = 0
+        self.hits = self.misses = self.evicted = self.adopted = 0
         self.on = os.environ.get(_ENV, "1").strip() != "0"
         self.capacity = _capacity()
 
@@ -254,6 +255,43 @@ class _Files:
             return opened[1]
         os.close(opened[0])  # another thread mapped it meanwhile
         return known[1]
+
+    def adopt(self, path: str) -> bool | None:
+        """Map the file at ``path`` (a tier file whose values producers will send, found by this
+        process itself: ``datacache.pytorch.tiermap``) and its pages now, so that the values copied
+        from it later take no page fault each: ``MADV_POPULATE_READ``, through ``ctypes`` (the GIL
+        released while the kernel maps them). True: mapped now or before; False: not now (gone,
+        not a regular file); None: never, in this process (the path off, every place taken: a file
+        is never dropped for one that is not yet in use; or no such ``madvise`` here)."""
+        if not self.on or _populate is None:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            with self._lock:
+                known, full = key in self._maps, len(self._maps) >= self.capacity
+            if known or full or not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+                os.close(fd)
+                return True if known else None if full else False
+            opened = fd, (mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), st.st_size)
+        except (OSError, ValueError):
+            os.close(fd)
+            return False
+        if not _populate(opened[1][0], st.st_size):
+            _unmap(opened)
+            return None
+        with self._lock:
+            if key not in self._maps and len(self._maps) < self.capacity:
+                self._maps[key] = opened
+                self.adopted += 1
+                return True
+            known = key in self._maps
+        _unmap(opened)
+        return True if known else None
 
     def prune(self) -> None:
         """Drop the files deleted since they were mapped (their space is then free)."""
@@ -323,5 +361,30 @@ def _open_mapped(pid: int, fd: int, dev: int, ino: int) -> tuple[int, tuple[mmap
         return None
 
 
+def _unmap(opened: tuple[int, tuple[mmap.mmap, int]]) -> None:
+    opened[1][0].close()
+    os.close(opened[0])
+
+
+def _populator() -> Callable[[mmap.mmap, int], bool] | None:
+    """``populate(m, size)``: map every page of ``m`` now (``MADV_POPULATE_READ``, Linux 5.14 and
+    later), without the GIL (a ``ctypes.CDLL`` call); False where the kernel does not know it.
+    None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    advice = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+    def populate(m: mmap.mmap, size: int) -> bool:
+        view = np.frombuffer(m, np.uint8, size)
+        try:
+            return madvise(view.ctypes.data, size, advice) == 0
+        finally:
+            del view  # the mapping may be closed once no view of it is left
+    return populate
+
+
+_populate = _populator()
 FILES = _Files()
 os.register_at_fork(after_in_child=FILES.after_fork_in_child)

@@ -76,6 +76,7 @@ from .gather import Gatherer, gathered
 from .next_plan import NextEpoch, expected_spec
 from .rounds import Rounds, WorkerBatches
 from .shared import STORE_FIELDS, AutoEpochs, OwnStats, main_token, shared_int, worker_token
+from .tiermap import TierMapper
 from .torch_compat import loader_batch
 
 __all__ = ["StreamingDataset"]
@@ -231,6 +232,7 @@ class StreamingDataset(tud.IterableDataset):
         self._consumer: Consumer | None = None
         self._inflation: float | None = None  # ``_in_place_chunk``'s probe of the cached shards, once known
         self._next_plan: NextEpoch | None = None  # a worker's guess at its next epoch (next_plan)
+        self._mapper: TierMapper | None = None  # the training process's, of its last cold epoch (tiermap)
         self._plan_ahead = True  # whether workers build it: datacache.DataLoader sets persistent_workers here
         self._collator: RingCollator | None = None
         self._worker = (0, 1)
@@ -438,8 +440,7 @@ class StreamingDataset(tud.IterableDataset):
                                  len(self._node_dp_ranks()) * spec.num_workers)
         # Batched mode's default collation without a transform: runs read as tables, batches gathered
         # (datacache.pytorch.gather); a node mix's compressed blocks decompressed once per epoch.
-        columnar = (self.batch_size is not None and self.collate_fn is collate and self.transform is None
-                    and self._mix is None and getattr(self.source.fmt.reader, "columns", None) is not None)
+        columnar = self._columnar()
         if columnar:  # a part mix reads samples; its shards' readers prepare the warm epochs' tables
             self.source.tables = True
         return Consumer(source=self.source, plan=plan, epoch=spec.epoch, skip=skip, prefetch=prefetch,
@@ -447,6 +448,11 @@ class StreamingDataset(tud.IterableDataset):
                         marks=self._skips, columnar=columnar,
                         block_cache=2 * spec.chunk_bytes if plan.rows is not None else 0,
                         name=f"datacache-prefetch-r{self.dp_rank}w{spec.worker_id}")
+
+    def _columnar(self) -> bool:
+        """Whether batches are gathered from tables (``datacache.pytorch.gather``)."""
+        return (self.batch_size is not None and self.collate_fn is collate and self.transform is None
+                and self._mix is None and getattr(self.source.fmt.reader, "columns", None) is not None)
 
     def _plan_next(self, spec: PlanSpec) -> NextEpoch:
         """The epoch expected after ``spec``'s, planned on a thread and, where every shard it reads
@@ -623,11 +629,14 @@ class StreamingDataset(tud.IterableDataset):
         if self._collator is not None and self._collator.pid == os.getpid():
             self._collator.close()
             self._collator = None
+        mapper, self._mapper = self._mapper, None
+        if mapper is not None:
+            mapper.close()
         crossread.FILES.close()  # the tier files this process mapped to copy values from
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_consumer"] = state["_collator"] = state["_flushed"] = state["_next_plan"] = None
+        state["_consumer"] = state["_collator"] = state["_flushed"] = state["_next_plan"] = state["_mapper"] = None
         return state
 
     def __del__(self) -> None:
@@ -718,6 +727,36 @@ class StreamingDataset(tud.IterableDataset):
             return None
         return HeadStart(self.source, [(shard, t) for _, _, shard, t in sorted(runs)],
                          name=f"datacache-headstart-r{self.dp_rank}", start=start)
+
+    def tier_mapper(self, num_workers: int) -> TierMapper | None:
+        """A ``TierMapper`` (``datacache.pytorch.tiermap``), not started, for the part-mixed (cold)
+        epoch ``num_workers`` DataLoader workers are about to begin, where the warm epochs' large
+        ``bytes`` values will be copied from this process's mappings of the node's tier files
+        (``crossread``); None where it would map nothing of use: no workers, a mixed dataset,
+        batches not gathered from tables or with ``bytes_views``, no ``bytes`` field or samples
+        averaging under ``crossread.MIN_MEAN_BYTES``, an epoch that is not part-mixed (its shards
+        cached already), a node share larger than the RAM tier or than the files ``FILES`` keeps,
+        or cross-process reads off here. Closes the one of the last iteration (ended, or left
+        waiting by an iteration stopped early); the one made is closed with the dataset."""
+        old, self._mapper = self._mapper, None
+        if old is not None:
+            old.close()
+        m, files = self.manifest, crossread.FILES
+        if (not num_workers or not self._columnar() or self.bytes_views or "bytes" not in m.schema.values()
+                or m.total_bytes < crossread.MIN_MEAN_BYTES * m.num_samples or self._pending() is not None
+                or not files.on or not crossread.available(os.getpid())):
+            return None
+        spec = self._spec(num_workers, 0)
+        share = mixed_share(self.counts, spec) if spec.part_bytes > 0 else None
+        if share is None or not 0 < len(share) <= files.capacity or \
+                int(self.shard_bytes[share].sum()) > self.cache.budgets()["ram"]:
+            return None
+        shards = [int(s) for s in share]
+        source = self.source
+        self._mapper = TierMapper(self.cache, [m.cache_key(s) for s in shards], shards,
+                                  worth=lambda shard: source.inflation([shard]) == 0,
+                                  name=f"datacache-tiermap-r{self.dp_rank}")
+        return self._mapper
 
     def _part_head_start(self, num_workers: int, start: bool) -> HeadStart | None:
         """The head start of a part-mixed epoch: the runs of each worker's first ``RUNS_PER_WORKER``

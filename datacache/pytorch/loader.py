@@ -81,6 +81,10 @@ class DataLoader(StatefulDataLoader):
     - each iteration with workers gives them a head start: once they have forked, this process
       fetches their first shards into the node cache while they start (``datacache.read.headstart``),
       so a cold epoch's link does not idle through the workers' start-up.
+    - in a cold epoch whose warm epochs will copy large ``bytes`` values from the node's tier files,
+      a thread of this process (``datacache-tiermap``) maps each file as it lands, while the loop
+      waits for the link, so the first warm epoch's copies take no page faults
+      (``datacache.pytorch.tiermap``).
     - once the training loop spends a millisecond or more between two batches (a training step), a
       thread of this process (``datacache-loader-ahead``) takes the next batch from the workers while
       the loop works on the current one, one batch ahead at most (``_ReadAhead``); not under a
@@ -140,6 +144,7 @@ class DataLoader(StatefulDataLoader):
         # samples: about 0.1 s a process) and the head start's reads lead theirs; its threads
         # start after the fork (see datacache.read.headstart).
         head = self.dataset.head_start(self.num_workers, start=False)
+        maps = self.dataset.tier_mapper(self.num_workers)  # a cold epoch's: started after the fork too
         # Workers forked now send their batches in bundles (datacache.pytorch.bundles); only they
         # (persistent ones keep their copy): another loader over the dataset gets batches.
         bundle = BUNDLE if self.dataset.batch_size is not None else 0
@@ -150,16 +155,20 @@ class DataLoader(StatefulDataLoader):
             with _ctrl_c_held(self._plain["worker_init_fn"]):
                 it = iter(self._torch)  # the workers start (and copy the dataset with any loaded state)
         except BaseException:
-            if head is not None:  # planned, never started: nothing in flight, nothing left open
-                head.close()
+            for planned in (head, maps):  # planned, never started: nothing in flight, nothing left open
+                if planned is not None:
+                    planned.close()
             raise
         finally:
             ds._bundle, ds._ring_slots = 0, RING_SLOTS
         if head is not None:
             head.start()
+        if maps is not None:
+            maps.start()
         self._head = head
         self.dataset.resume_started()
-        self._live = _Counted(it, rounds, bundled=self.num_workers if bundle else 0)
+        self._live = _Counted(it, rounds, bundled=self.num_workers if bundle else 0,
+                              on_batch=None if maps is None else maps.notify)
         return self._live
 
     def __len__(self) -> int:
@@ -210,8 +219,10 @@ class _Counted:
     the hand-over (unpickling, mapping the ring, a bytes column's copies) overlaps the step instead
     of following it. Used by one thread, as torch's; ``close`` stops the read-ahead (idempotent)."""
 
-    def __init__(self, it: Any, rounds: Rounds, bundled: int = 0) -> None:
+    def __init__(self, it: Any, rounds: Rounds, bundled: int = 0,
+                 on_batch: Callable[[bool], None] | None = None) -> None:
         self._it, self.rounds, self.handed = it, rounds, 0
+        self._on_batch = on_batch  # told of each batch, and of the end (True): a cold epoch's TierMapper
         step = batch_step(it)
         self._next = Unbundler(step, bundled, batch_range(it)) if bundled else step  # bundled: the workers'
         self._ahead: _ReadAhead | None = None
@@ -226,14 +237,21 @@ class _Counted:
         if ahead is None and not profiled and self._returned >= 0 and \
                 time.perf_counter() - self._returned >= _AHEAD_AFTER:
             ahead = self._ahead = _ReadAhead(self._next)
-        if ahead is None:
-            item = self._next()
-        elif profiled:  # a profiler began: the batch asked for, then this thread again
-            item = ahead.take(more=False)
-            ahead.stop()
-            self._ahead = None
-        else:
-            item = ahead.take()
+        try:
+            if ahead is None:
+                item = self._next()
+            elif profiled:  # a profiler began: the batch asked for, then this thread again
+                item = ahead.take(more=False)
+                ahead.stop()
+                self._ahead = None
+            else:
+                item = ahead.take()
+        except StopIteration:
+            if self._on_batch is not None:
+                self._on_batch(True)
+            raise
+        if self._on_batch is not None:
+            self._on_batch(False)
         self.handed += 1
         self._returned = time.perf_counter()
         return item
