@@ -47,7 +47,8 @@ class TierMapper:
 
     def __init__(self, cache: NodeCache, keys: Sequence[str], shards: Sequence[int], *,
                  worth: Callable[[int], bool], name: str) -> None:
-        self._cache, self._worth, self._name = cache, worth, name
+        self._cache, self._name = cache, name
+        self._worth: Callable[[int], bool] | None = worth
         self._pending = dict(zip(keys, shards))
         self._wake, self._stop = threading.Event(), threading.Event()
         self._last = False
@@ -102,10 +103,14 @@ class TierMapper:
         """Map the shards the RAM tier holds now; whether to go on."""
         keys = list(self._pending)
         for key, path in zip(keys, self._cache.ram_files(keys)):
-            if path is None or self._stop.is_set():
-                continue
-            if self.mapped == 0 and not self._worth(self._pending[key]):
+            if self._stop.is_set():
                 return False
+            if path is None:
+                continue
+            if self._worth is not None:  # asked once, of the first shard that lands
+                if not self._worth(self._pending[key]):
+                    return False
+                self._worth = None
             got = FILES.adopt(path)
             if got is None:
                 return False
