@@ -26,6 +26,7 @@ start's threads are (``datacache.read.headstart``).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -68,11 +69,13 @@ class TierMapper:
         self._wake.set()
 
     def close(self) -> None:
-        """Stop looking; back once the file being mapped, if any, is. Idempotent."""
+        """Stop looking; back once the file being mapped, if any, is. Idempotent. While the
+        interpreter exits (a dataset closed by its finalizer) it does not wait: the daemon thread
+        can no longer run to its end then, and a join would never return."""
         self._stop.set()
         self._wake.set()
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None and thread is not threading.current_thread() and not sys.is_finalizing():
             thread.join()
 
     def wait(self, timeout: float | None = None) -> bool:
