@@ -39,6 +39,7 @@ import bisect
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -247,18 +248,26 @@ def main(argv: list[str] | None = None) -> int:
         sum(1 for _ in datacache.DataLoader(fill, batch_size=args.batch, num_workers=args.workers))
         fill.close()
         report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "args": vars(args),
-                  "step_matmuls": step.n, "modes": {}}
+                  "step_matmuls": step.n, "shm_free_mb": _shm_free_mb(), "modes": {}}
         for mode in MODES:
             runs = _mode(mode, url, cfg, args, step, device)
             report["modes"][mode] = {"median": _median(runs), "epochs": runs}
     print(f"\n{report['device']}, torch {report['torch']}, batch {args.batch} x {args.sample_kb} KiB, "
-          f"step {args.step_ms} ms, {args.workers} workers; medians of {args.epochs} epochs per mode:")
+          f"step {args.step_ms} ms, {args.workers} workers, /dev/shm free {report['shm_free_mb']} MB "
+          f"(the rings live there); medians of {args.epochs} epochs per mode:")
     for mode in MODES:
         print(f"  {mode:12s} " + _line(report["modes"][mode]["median"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def _shm_free_mb() -> int | None:
+    try:
+        return shutil.disk_usage("/dev/shm").free >> 20
+    except OSError:
+        return None
 
 
 def _ram_root() -> str | None:
