@@ -213,6 +213,27 @@ def test_throttle_window_cuts_open_connections_and_answers_503_until_it_ends(lin
     assert origin.seen == before + 1
 
 
+def test_a_request_held_back_when_the_window_begins_is_cut_and_not_listed_as_answered(link: Any) -> None:
+    lk = link(latency=0.3)
+    held = socket.create_connection(("127.0.0.1", lk.port))
+    held.sendall(b"GET /10 HTTP/1.1\r\nHost: x\r\n\r\n")
+    deadline = time.monotonic() + 30
+    while lk.requests < 1:  # the proxy has it, and holds it back for its latency
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    lk.throttle(30.0)  # returns once the cut is done
+    held.settimeout(10)
+    try:
+        assert held.recv(10) == b""
+    except ConnectionResetError:
+        pass
+    held.close()
+    with socket.create_connection(("127.0.0.1", lk.port)) as s:  # held back after the first one: answered later
+        assert exchange(s, "GET", "/10")[0].startswith(b"HTTP/1.1 503")
+    # only the answer a client could read is listed (the node's count of throttling answers is compared to it)
+    assert len(lk.throttled_at) == 1 and lk.requests == 2
+
+
 def test_reset_every_cuts_the_response_mid_body(link: Any) -> None:
     lk = link(reset_every=1)
     with socket.create_connection(("127.0.0.1", lk.port)) as s:

@@ -16,8 +16,10 @@
   fault increments ``injected``;
 * throttle window: ``throttle(seconds)`` cuts every open connection (TCP reset) and answers every
   request started in the next ``seconds`` with ``503 Slow Down`` (an S3 XML error body), like a
-  store repartitioning a hot prefix; ``throttled_at`` lists when each such answer was given
-  (seconds since the window began) and ``throttling`` says whether the window is open;
+  store repartitioning a hot prefix; it returns once the cut is done. ``throttled_at`` lists when
+  each such answer was written to a connection still open (seconds since the window began): a
+  request held back by ``latency`` whose connection the cut reset is not answered and not listed.
+  ``throttling`` says whether the window is open;
 * ``retarget(host, port)``: new connections go to another server from then on (a restarted store
   on new ports keeps the same endpoint behind the proxy).
 
@@ -133,14 +135,18 @@ class SlowLink:
     def throttle(self, seconds: float) -> None:
         """Cut every open connection now and answer 503 SlowDown to each request for ``seconds``."""
         assert self._loop is not None, "start() the link first"
-        now = time.monotonic()
-        with self._lock:
-            self._window = (now, now + seconds)
+        done = threading.Event()
 
-        def cut() -> None:
+        def begin() -> None:  # on the loop: no request start runs between the window and the cut
+            now = time.monotonic()
+            with self._lock:
+                self._window = (now, now + seconds)
             for conn in list(self._conns):
                 self._close(conn, reset=True)
-        self._loop.call_soon_threadsafe(cut)
+            done.set()
+        self._loop.call_soon_threadsafe(begin)
+        if not done.wait(30):
+            raise RuntimeError(f"{self!r}: its loop did not run the throttle's cut within 30 s")
 
     @property
     def throttling(self) -> bool:
@@ -304,11 +310,13 @@ class SlowLink:
             self._add(injected=1)
         if delay > 0:
             await asyncio.sleep(delay)
+        if conn.client_w.is_closing():  # cut (by a throttle) while held back: nothing is answered
+            return False
         now = time.monotonic()
         with self._lock:
             start, end = self._window
             storm = start <= now < end
-            if storm:
+            if storm:  # counted only where the answer is written: the client reads every one listed
                 self.throttled_at.append(now - start)
         if storm or (fail and n % fail == 0):
             self._add(injected=1)
