@@ -67,6 +67,7 @@ from ..read.batcher import batches as run_batches
 from ..read.consumer import Consumer
 from .collate import Layout, PackedBytes, assemble, collate, layout_end, plan, tensors, values
 from .crossread import available as crossread_available
+from .crossread import populate_write
 from .rounds import WorkerBatches
 
 __all__ = ["RING_SLOTS", "BatchRing", "RingCollator", "ShmBatch", "ShmTensor", "PackedBytes", "batched", "collate",
@@ -100,6 +101,8 @@ class BatchRing:
             self.path = _create_file(self.size)
             with open(self.path, "r+b") as f:
                 self._mm = mmap.mmap(f.fileno(), self.size)
+            if populate_write is not None:  # every slot writable now: not a fault per page at its first batch
+                populate_write(self._mm, self.size)
             from multiprocessing import util
 
             # At the producer's exit no batch of this ring will be received any more (a DataLoader

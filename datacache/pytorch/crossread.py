@@ -48,7 +48,7 @@ import numpy as np
 from .._bytes import data_address, new
 from ..errors import CacheError
 
-__all__ = ["MIN_MEAN_BYTES", "WHERE", "available", "read_values", "values_read", "values_mapped"]
+__all__ = ["MIN_MEAN_BYTES", "WHERE", "available", "populate_write", "read_values", "values_read", "values_mapped"]
 
 MIN_MEAN_BYTES = 4096  # a bytes column read across processes when its values average this much
 _IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux's UIO_MAXIOV)
@@ -366,15 +366,14 @@ def _unmap(opened: tuple[int, tuple[mmap.mmap, int]]) -> None:
     os.close(opened[0])
 
 
-def _populator() -> Callable[[mmap.mmap, int], bool] | None:
-    """``populate(m, size)``: map every page of ``m`` now (``MADV_POPULATE_READ``, Linux 5.14 and
-    later), without the GIL (a ``ctypes.CDLL`` call); False where the kernel does not know it.
-    None off Linux."""
+def _populator(advice: int) -> Callable[[mmap.mmap, int], bool] | None:
+    """``populate(m, size)``: map every page of ``m`` now, ``advice`` being ``MADV_POPULATE_READ``
+    or ``MADV_POPULATE_WRITE`` (Linux 5.14 and later), without the GIL (a ``ctypes.CDLL`` call);
+    False where the kernel does not know it. None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
-    advice = getattr(mmap, "MADV_POPULATE_READ", 22)
 
     def populate(m: mmap.mmap, size: int) -> bool:
         view = np.frombuffer(m, np.uint8, size)
@@ -385,6 +384,9 @@ def _populator() -> Callable[[mmap.mmap, int], bool] | None:
     return populate
 
 
-_populate = _populator()
+_populate = _populator(getattr(mmap, "MADV_POPULATE_READ", 22))
+# A mapping this process will write, its pages present already (a batch ring's file is allocated
+# when it is made): page tables filled once, writable, rather than a fault per page at its first write.
+populate_write = _populator(getattr(mmap, "MADV_POPULATE_WRITE", 23))
 FILES = _Files()
 os.register_at_fork(after_in_child=FILES.after_fork_in_child)
