@@ -552,7 +552,6 @@ def test_tables_of_shards_alike_in_length_follow_each_row_s_own_structure_bytes(
                 assert got["id"] == i and got["a"].dtype == a.dtype and np.array_equal(got["a"], a)
 
 
-@pytest.mark.skipif(populate_write is None, reason="MADV_POPULATE_WRITE is Linux-only")
 def test_a_shared_ring_is_writable_from_its_start_without_a_fault_per_page() -> None:
     """A worker's ring is mapped writable, every page, when it is made: the first batch written into
     each slot (a warm epoch fills more slots than the cold one did) takes no page fault per page."""
@@ -560,7 +559,7 @@ def test_a_shared_ring_is_writable_from_its_start_without_a_fault_per_page() -> 
     supported = populate_write is not None and populate_write(probe, mmap.PAGESIZE)
     probe.close()
     if not supported:
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14 and later): rings fault as written")
+        pytest.skip("no MADV_POPULATE_WRITE here (Linux 5.14 and later only): rings fault as written")
     ring = BatchRing(1 << 20, slots=8, shared=True)
     try:
         pages = ring.slots * ring.slot_bytes // mmap.PAGESIZE

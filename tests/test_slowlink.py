@@ -217,10 +217,7 @@ def test_a_request_held_back_when_the_window_begins_is_cut_and_not_listed_as_ans
     lk = link(latency=0.3)
     held = socket.create_connection(("127.0.0.1", lk.port))
     held.sendall(b"GET /10 HTTP/1.1\r\nHost: x\r\n\r\n")
-    deadline = time.monotonic() + 30
-    while lk.requests < 1:  # the proxy has it, and holds it back for its latency
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    assert lk.wait_requests(1, timeout=30)  # the proxy has it, and holds it back for its latency
     lk.throttle(30.0)  # returns once the cut is done
     held.settimeout(10)
     try:

@@ -8,7 +8,8 @@
   The clock is a token bucket ``BURST`` bytes deep: when the proxy thread was not scheduled in time
   (a busy 2-core machine) the link catches up by at most that much, so a saturated link delivers
   its nominal rate, and no window longer than ``BURST / bandwidth`` (2.6 ms at 50 MB/s) exceeds it;
-* metering: ``bytes_down``, ``bytes_up``, ``requests`` (HTTP request starts), ``gets``;
+* metering: ``bytes_down``, ``bytes_up``, ``requests`` (HTTP request starts; ``wait_requests``
+  waits for a count), ``gets``;
 * fault injection, settable at any time: ``fail_every`` (every Nth request gets an immediate
   ``503 Slow Down`` with an S3 XML body and ``Connection: close``, never reaching the server),
   ``reset_every`` (every Nth request's response is cut by a TCP reset after a few KB),
@@ -91,6 +92,7 @@ class SlowLink:
         self.listen_host, self.port = listen_host, listen_port
         self.fail_every, self.reset_every, self.latency_spike = fail_every, reset_every, latency_spike
         self._lock = threading.Lock()
+        self._counted = threading.Condition(self._lock)  # notified at each request start
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -107,6 +109,12 @@ class SlowLink:
             self.bytes_down = self.bytes_up = self.requests = self.gets = self.injected = 0
             self.connections = 0
             self.throttled_at: list[float] = []
+
+    def wait_requests(self, n: int, timeout: float) -> bool:
+        """Wait until the proxy has seen ``n`` request starts (counted before their latency is
+        applied); False after ``timeout`` seconds."""
+        with self._counted:
+            return self._counted.wait_for(lambda: self.requests >= n, timeout)
 
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy of the counters."""
@@ -300,6 +308,7 @@ class SlowLink:
         """Count a request, apply latency and faults; False if the connection was failed."""
         with self._lock:
             self.requests += 1
+            self._counted.notify_all()
             n = self.requests
             if data.startswith(b"GET "):
                 self.gets += 1
